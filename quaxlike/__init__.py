@@ -1,0 +1,20 @@
+"""quaxlike: multiple-dispatch array values for JAX and Equinox."""
+
+import importlib.metadata
+
+from ._diagnostics import (
+    AmbiguousRuleError as AmbiguousRuleError,
+    MaterialisationError as MaterialisationError,
+    QuaxlikeError as QuaxlikeError,
+)
+from ._quaxify import quaxify as quaxify
+from ._rules import register as register, rules_for as rules_for
+from ._values import ArrayValue as ArrayValue, DenseArrayValue as DenseArrayValue, Value as Value
+
+from . import _higher_order  # noqa: F401  (registers the higher-order rules)
+
+
+try:
+    __version__ = importlib.metadata.version("quaxlike")
+except importlib.metadata.PackageNotFoundError:  # running from a source tree
+    __version__ = "0.0.0+unknown"

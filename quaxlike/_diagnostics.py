@@ -1,0 +1,108 @@
+"""Error classes and every message template quaxlike raises.
+
+Messages say what went wrong (naming the type, the primitive and the value
+involved) and then how to get out of it. They live here so they read
+consistently and can be reviewed in one place.
+"""
+
+
+class QuaxlikeError(Exception):
+    """Base class of the errors quaxlike raises about how it is used."""
+
+
+class AmbiguousRuleError(QuaxlikeError, LookupError):
+    """Several rules match a primitive's argument types equally well."""
+
+
+class MaterialisationError(QuaxlikeError):
+    """A Value could not be materialised where a primitive needed it."""
+
+
+class messages:
+    """Namespace of message templates (formatted with `str.format`)."""
+
+    UNKNOWN_PRIMITIVE_NAME = (
+        "`quaxlike.register({name!r})`: there is no primitive called {name!r} in "
+        "`jax.lax` or `jax.extend.core.primitives`. Pass the primitive object itself "
+        "(for example `jax.lax.add_p`) or one of the known names, such as: {examples}."
+    )
+    NOT_A_PRIMITIVE = (
+        "`quaxlike.register` takes a JAX primitive, the name of one as a string, or a "
+        "list/tuple of those; got {got!r} of type {type_name}. For example "
+        "`@quaxlike.register(jax.lax.mul_p)` or `@quaxlike.register('mul')`."
+    )
+    UNANNOTATED_RULE_ARGUMENT = (
+        "The rule `{rule}` registered for `{primitive}` has a positional argument "
+        "`{arg}` with no type annotation. Rules are chosen by the types of their "
+        "positional arguments, so each needs one: use a Value subclass, "
+        "`jaxtyping.ArrayLike`, or a union such as `ArrayLike | quaxlike.ArrayValue`."
+    )
+    RULE_NOT_CALLABLE = "`quaxlike.register({primitive})` must decorate a function; got {got!r}."
+    AMBIGUOUS = (
+        "Ambiguous rules for primitive `{primitive}` with argument types ({types}). "
+        "These rules match equally well:\n{candidates}\n"
+        "Ways out:\n"
+        "  1. Nest `quaxify` calls with different `filter_spec`s, so that each trace "
+        "only sees one of the types: "
+        "`quaxify(quaxify(fn, filter_spec=is_a), filter_spec=is_b)`; the inner one "
+        "is dispatched first.\n"
+        "  2. Give one rule priority: `@quaxlike.register({primitive}, precedence=1)`.\n"
+        "  3. Register a rule for exactly this combination of types."
+    )
+    CONFLICTING_DEFAULTS = (
+        "Primitive `{primitive}` has no rule for argument types ({types}), and more "
+        "than one of these types overrides `Value.default`: {owners}. quaxlike cannot "
+        "choose between them. Register a rule for this combination: "
+        "`@quaxlike.register({primitive})` with positional arguments annotated "
+        "({types}), or nest `quaxify` calls so each trace sees one of the types."
+    )
+    BAD_AVAL = (
+        "`{type_name}.aval()` returned a {got}, not an abstract value. It must return "
+        "something like `jax.core.ShapedArray(shape, dtype)`."
+    )
+    MATERIALISE_MISMATCH = (
+        "`{type_name}.materialise()` (called for primitive `{primitive}`) returned an "
+        "array of type {got}, but `{type_name}.aval()` says {expected}. Make "
+        "`materialise()` agree with `aval()`."
+    )
+    MATERIALISE_LOOP = (
+        "`{type_name}.materialise()` kept returning Values more than 100 times; it must "
+        "eventually return an ordinary array."
+    )
+    RULE_RETURNED_SEQUENCE = (
+        "The rule `{rule}` for primitive `{primitive}` returned a {got}, but "
+        "`{primitive}` has a single output. Return one array or Value, not a "
+        "list/tuple."
+    )
+    RULE_RETURNED_SINGLE = (
+        "The rule `{rule}` for primitive `{primitive}` returned a {got}, but "
+        "`{primitive}` has multiple outputs. Return a list or tuple of arrays/Values."
+    )
+    RULE_RETURNED_NON_ARRAY = (
+        "The rule `{rule}` for primitive `{primitive}` returned an object of type "
+        "{got}, which is neither an array nor a `quaxlike.Value`."
+    )
+    FILTER_SPEC_MISMATCH = (
+        "The `filter_spec` given to `quaxify({fn})` does not match the structure of "
+        "`(fn, args, kwargs)`. It must be a bool, a callable `leaf -> bool`, or a "
+        "PyTree prefix of `(fn, args, kwargs)` made of those; for example "
+        "`filter_spec=(False, (True, False), False)` to select only the first of "
+        "two positional arguments. Equinox said: {error}"
+    )
+    BAD_OPERAND = (
+        "Primitive `{primitive}` received an operand of type {type_name} at position "
+        "{position}, which is neither an array nor a `quaxlike.Value`. Pass arrays or "
+        "Values; Python containers must be split into their leaves first."
+    )
+    CARRY_TYPE_CHANGED = (
+        "In `{primitive}`, loop carry {index} enters as {before} but the loop body "
+        "returns {after}. quaxlike materialised it to a dense array and retraced, but "
+        "the types still disagree. Make the body return the same type it receives, "
+        "for example by materialising the carry before the loop "
+        "(`carry.materialise()`), or register a `{primitive}` rule for your type."
+    )
+    SCAN_VALUE_NOT_SLICEABLE = (
+        "`scan` over a `{type_name}` in `xs`: slicing its leaves along the leading "
+        "axis does not give a `{type_name}` of shape {expected}; quaxlike will "
+        "materialise it."
+    )

@@ -1,0 +1,9 @@
+"""Rules for higher-order primitives (jit, cond, while, scan, checkpoint) and the
+custom-derivative hooks.
+
+These rules are ordinary registrations, annotated with the broadest types
+(`ArrayLike | Value`), so a user's rule for their own type on, say, `scan_p` is
+more specific and wins by normal dispatch. Imported for its side effects.
+"""
+
+from . import _cond, _jit, _loops, _remat  # noqa: F401

@@ -1,0 +1,64 @@
+"""Helpers shared by the higher-order rules."""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jaxtyping import ArrayLike
+
+from .._values import Value, materialise_value
+
+
+AnyValue = ArrayLike | Value
+
+
+def to_dense(x: Any, primitive=None) -> Any:
+    return materialise_value(x, primitive) if isinstance(x, Value) else x
+
+
+def through_array_leaves(transform: Callable, fn: Callable, args: Sequence[Any]):
+    """Call `transform(body)` where `body` takes only the array leaves of `args`.
+
+    JAX transformations (`jax.jit`, `jax.checkpoint`, ...) accept PyTrees of arrays;
+    Values are PyTrees, but may hold non-array leaves (Python numbers, strings).
+    Those are closed over, and non-array parts of the output are passed back
+    outside the transformation, as `eqx.filter_jit` does.
+    """
+    dynamic, static = eqx.partition(list(args), eqx.is_array)
+    out_static = []
+
+    def body(dynamic_args):
+        out = fn(*eqx.combine(dynamic_args, static))
+        dynamic_out, static_out = eqx.partition(out, eqx.is_array)
+        out_static.append(static_out)
+        return dynamic_out
+
+    dynamic_out = transform(body)(dynamic)
+    return eqx.combine(dynamic_out, out_static[-1])
+
+
+def type_signature(x: Any):
+    """What must agree between two loop carries or two branch outputs: the PyTree
+    structure (including static fields) and the avals of the array leaves."""
+    leaves, treedef = jtu.tree_flatten(x)
+    return treedef, tuple(
+        jax.typeof(leaf).str_short() if eqx.is_array(leaf) else (type(leaf), leaf) for leaf in leaves
+    )
+
+
+def describe_type(x: Any) -> str:
+    if isinstance(x, Value):
+        return f"{type(x).__qualname__}{_aval_text(x)}"
+    try:
+        return jax.typeof(x).str_short()
+    except TypeError:
+        return type(x).__qualname__
+
+
+def _aval_text(x: Value) -> str:
+    try:
+        return f"[{x.aval().str_short()}]"
+    except Exception:  # a broken aval() is reported elsewhere
+        return ""

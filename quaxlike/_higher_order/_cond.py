@@ -1,0 +1,42 @@
+"""`cond` (`lax.cond`, `lax.switch`)."""
+
+from jax import lax
+
+from .. import _jax_compat as jc
+from .._quaxify import quaxify
+from .._rules import register
+from ._common import AnyValue, to_dense, type_signature
+
+
+@register(jc.cond_p)
+def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
+    index = to_dense(index, jc.cond_p)
+    bodies = [quaxify(jc.jaxpr_as_fun(branch)) for branch in branches]
+    # Branches may return different types at one position (a symbolic zero in one
+    # branch, a dense array in the other). Try as they are; if JAX rejects the
+    # branches as mismatched, materialise exactly the positions that disagree.
+    dense: set[int] = set()
+    while True:
+        signatures: list = [None] * len(bodies)
+
+        def make_branch(i):
+            def branch(*ops):
+                out = bodies[i](*ops)
+                out = [to_dense(o, jc.cond_p) if j in dense else o for j, o in enumerate(out)]
+                signatures[i] = [type_signature(o) for o in out]
+                return out
+
+            return branch
+
+        try:
+            return lax.switch(index, [make_branch(i) for i in range(len(bodies))], *operands)
+        except (TypeError, ValueError):
+            if any(s is None for s in signatures):
+                raise
+            first = signatures[0]
+            disagree = {
+                j for j in range(len(first)) if any(s[j] != first[j] for s in signatures[1:])
+            }
+            if not disagree - dense:
+                raise
+            dense |= disagree

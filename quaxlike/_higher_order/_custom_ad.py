@@ -1,0 +1,209 @@
+"""`custom_jvp` and `custom_vjp` functions applied to Values.
+
+JAX hands these to dedicated trace hooks with one-shot `WrappedFun`s rather than
+jaxprs. When a Value is among the inputs, we build an equivalent custom-derivative
+function over the Values' array leaves and bind that at the parent trace, so the
+user's rule keeps working under any outer transformation:
+
+- the primal runs the original function under `quaxify`;
+- for `custom_jvp`, tangents of a Value's leaves are treated as a Value of the same
+  type (correct when `materialise()` is linear in the leaves, which is what
+  `Value.structured_tangents` declares); otherwise, or when the rule's tangent
+  output does not fit the primal output, we differentiate the primal itself;
+- for `custom_vjp`, the user's `bwd` runs under `quaxify`; a dense cotangent for a
+  Value input is pulled back to its leaves through `materialise()`, which is
+  correct for every type.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from .. import _jax_compat as jc
+from .._quaxify import quaxify
+from .._values import Value, checked_aval, materialise_value
+
+
+def _is_inexact(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+class _Flattened:
+    """The array leaves of a list of values (Values flattened), and the way back."""
+
+    def __init__(self, values):
+        dynamic, self.static = eqx.partition(list(values), eqx.is_array)
+        self.leaves, self.treedef = jtu.tree_flatten(dynamic)
+        # For each position, the slice of `leaves` it owns, and whether it is a Value.
+        self.spans = []
+        start = 0
+        for item in dynamic:
+            n = len(jtu.tree_leaves(item))
+            self.spans.append((start, start + n))
+            start += n
+        self.is_value = [isinstance(v, Value) for v in values]
+
+    def same_structure(self, other: "_Flattened") -> bool:
+        if self.treedef != other.treedef:
+            return False
+        a, b = jtu.tree_leaves(self.static), jtu.tree_leaves(other.static)
+        try:
+            return len(a) == len(b) and all(x is y or bool(x == y) for x, y in zip(a, b))
+        except Exception:
+            return False
+
+    def rebuild(self, leaves):
+        return eqx.combine(jtu.tree_unflatten(self.treedef, list(leaves)), self.static)
+
+    def rebuild_tangents(self, primal_leaves, tangent_leaves):
+        # Inside a Value, a non-differentiable leaf (integer indices, ...) keeps its
+        # primal value: the tangent Value has the same structure as the primal one.
+        leaves = list(tangent_leaves)
+        for (start, stop), is_value in zip(self.spans, self.is_value):
+            if is_value:
+                for k in range(start, stop):
+                    if not _is_inexact(primal_leaves[k]):
+                        leaves[k] = primal_leaves[k]
+        return self.rebuild(leaves)
+
+
+def _reusable(wrapped: jc.WrappedFun, avals, *, interleave_true: bool = False):
+    """Turn a one-shot `WrappedFun` over dense arrays into a function that can be
+    called any number of times (traced once, lazily, to a jaxpr)."""
+    cache = []
+
+    def call(*xs):
+        if not cache:
+            def flat(*ys):
+                if interleave_true:
+                    ys = [z for y in ys for z in (y, True)]
+                return wrapped.call_wrapped(*ys)
+
+            structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
+            cache.append(jax.make_jaxpr(flat)(*structs))
+        return jc.jaxpr_as_fun(cache[0])(*xs)
+
+    return call
+
+
+def _avals(values):
+    return [checked_aval(v) if isinstance(v, Value) else jax.typeof(v) for v in values]
+
+
+def _tangent_zeros_like(x):
+    return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
+
+
+def custom_jvp_with_values(trace, primitive, fun, jvp, tracers, symbolic_zeros):
+    values = [trace.unwrap(t) for t in tracers]
+    inputs = _Flattened(values)
+    avals = _avals(values)
+    primal_dense = _reusable(fun, avals)
+    outputs: list[_Flattened] = []
+
+    def primal_leaves(*leaves):
+        out = _Flattened(quaxify(primal_dense)(*inputs.rebuild(leaves)))
+        outputs[:] = [out]
+        return out.leaves
+
+    structured = not symbolic_zeros and all(
+        getattr(type(v), "structured_tangents", True) for v in values if isinstance(v, Value)
+    )
+    jvp_dense = _reusable(jvp, [*avals, *(a.to_tangent_aval() for a in avals)])
+
+    @jax.custom_jvp
+    def leaf_function(*leaves):
+        return primal_leaves(*leaves)
+
+    @leaf_function.defjvp
+    def leaf_function_jvp(primals, tangents):
+        if structured:
+            primal_values = inputs.rebuild(primals)
+            tangent_values = inputs.rebuild_tangents(primals, tangents)
+            outs = quaxify(jvp_dense)(*primal_values, *tangent_values)
+            n = len(outs) // 2
+            primal_out, tangent_out = _Flattened(outs[:n]), _Flattened(outs[n:])
+            if primal_out.same_structure(tangent_out):
+                outputs[:] = [primal_out]
+                tangent_leaves = [
+                    t if _is_inexact(p) else _tangent_zeros_like(p)
+                    for p, t in zip(primal_out.leaves, tangent_out.leaves)
+                ]
+                return primal_out.leaves, tangent_leaves
+        # Differentiate the primal computation itself.
+        return jax.jvp(primal_leaves, tuple(primals), tuple(tangents))
+
+    with jc.set_current_trace(trace.parent_trace):
+        out_leaves = leaf_function(*inputs.leaves)
+    return _lift_outputs(trace, outputs[0].rebuild(out_leaves))
+
+
+def _lift_outputs(trace, out):
+    return [trace.lift(o) if isinstance(o, Value) else o for o in out]
+
+
+def custom_vjp_with_values(trace, primitive, fun, fwd, bwd, tracers, out_trees, symbolic_zeros):
+    values = [trace.unwrap(t) for t in tracers]
+    inputs = _Flattened(values)
+    primal_dense = _reusable(fun, _avals(values))
+    outputs: list[_Flattened] = []
+    residual_static: list = []
+
+    @jax.custom_vjp
+    def leaf_function(*leaves):
+        out = _Flattened(quaxify(primal_dense)(*inputs.rebuild(leaves)))
+        outputs[:] = [out]
+        return out.leaves
+
+    def leaf_fwd(*leaves):
+        in_values = inputs.rebuild(leaves)
+        outs = quaxify(lambda *v: fwd.call_wrapped(*[z for x in v for z in (x, True)]))(*in_values)
+        _, res_tree, input_fwds = out_trees()
+        num_res_out = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+        res_out = iter(outs[:num_res_out])
+        residuals = [next(res_out) if f is None else in_values[f] for f in input_fwds]
+        out = _Flattened(outs[num_res_out:])
+        outputs[:] = [out]
+        res_dynamic, static = eqx.partition(residuals, eqx.is_array)
+        residual_static[:] = [static]
+        return out.leaves, (res_dynamic, list(leaves), out.leaves)
+
+    def leaf_bwd(saved, out_cts):
+        res_dynamic, in_leaves, out_leaves = saved
+        residuals = eqx.combine(res_dynamic, residual_static[0])
+        # Cotangents of Value outputs are rebuilt as Values of the same type.
+        cts = outputs[0].rebuild_tangents(out_leaves, out_cts)
+        in_cts = quaxify(bwd.call_wrapped)(*residuals, *cts)
+        return tuple(_leaf_cotangents(inputs, in_leaves, in_cts))
+
+    leaf_function.defvjp(leaf_fwd, leaf_bwd)
+    with jc.set_current_trace(trace.parent_trace):
+        out_leaves = leaf_function(*inputs.leaves)
+    return _lift_outputs(trace, outputs[0].rebuild(out_leaves))
+
+
+def _leaf_cotangents(inputs: "_Flattened", in_leaves, in_cts):
+    """Cotangents for the input leaves, from the cotangents `bwd` gave the inputs."""
+    out = [None] * len(in_leaves)
+    values = inputs.rebuild(in_leaves)
+    for position, ((start, stop), is_value) in enumerate(zip(inputs.spans, inputs.is_value)):
+        ct = in_cts[position]
+        if ct is None or start == stop:
+            continue
+        if not is_value:
+            out[start] = materialise_value(ct) if isinstance(ct, Value) else ct
+            continue
+        value = values[position]
+        if isinstance(ct, Value) and jtu.tree_structure(ct) == jtu.tree_structure(value):
+            out[start:stop] = _Flattened([ct]).leaves
+            continue
+        # A dense cotangent: pull it back to the leaves through `materialise()`.
+        dense_ct = materialise_value(ct) if isinstance(ct, Value) else ct
+        single = _Flattened([value])
+        _, pullback = jax.vjp(
+            lambda *ls: materialise_value(single.rebuild(ls)[0]), *in_leaves[start:stop]
+        )
+        out[start:stop] = pullback(dense_ct)
+    return [ct if ct is not None and _is_inexact(leaf) else None for ct, leaf in zip(out, in_leaves)]

@@ -1,0 +1,175 @@
+"""`while` (`lax.while_loop`, `fori_loop` with traced bounds) and `scan`
+(`lax.scan`, `fori_loop` with static bounds, `lax.map`)."""
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jax import lax
+
+from .. import _jax_compat as jc
+from .._diagnostics import QuaxlikeError, messages
+from .._quaxify import quaxify
+from .._rules import register
+from .._values import Value, checked_aval
+from ._common import AnyValue, describe_type, to_dense, type_signature
+
+
+def _run_with_carry_fallback(primitive, init, run):
+    """Call `run(dense)` where `dense` is the set of carry positions to materialise.
+
+    A loop body may change the type of a carry (a symbolic zero becoming dense).
+    `run` records the signature of the carry the body returns; if JAX rejects the
+    loop, the positions that changed are materialised and the loop retraced.
+    """
+    dense: set[int] = set()
+    for _ in range(len(init) + 1):
+        record: dict = {}
+        try:
+            return run(dense, record)
+        except (TypeError, ValueError):
+            out_types = record.get("carry_out")
+            if out_types is None:
+                raise
+            in_types = record["carry_in"]
+            changed = {i for i, (a, b) in enumerate(zip(in_types, out_types)) if a != b}
+            if not changed:
+                raise
+            if changed <= dense:
+                i = min(changed)
+                raise QuaxlikeError(
+                    messages.CARRY_TYPE_CHANGED.format(
+                        primitive=primitive.name,
+                        index=i,
+                        before=record["carry_in_text"][i],
+                        after=record["carry_out_text"][i],
+                    )
+                ) from None
+            dense |= changed
+    raise AssertionError("unreachable")
+
+
+def _densify(values, dense, primitive):
+    return [to_dense(v, primitive) if i in dense else v for i, v in enumerate(values)]
+
+
+def _record(record, key, values):
+    record[key] = [type_signature(v) for v in values]
+    record[key + "_text"] = [describe_type(v) for v in values]
+
+
+@register(jc.while_p)
+def while_p_values(
+    *args: AnyValue, cond_nconsts: int, cond_jaxpr, body_nconsts: int, body_jaxpr, **params
+):
+    cond_consts = args[:cond_nconsts]
+    body_consts = args[cond_nconsts : cond_nconsts + body_nconsts]
+    init = list(args[cond_nconsts + body_nconsts :])
+    cond_fun = quaxify(jc.jaxpr_as_fun(cond_jaxpr))
+    body_fun = quaxify(jc.jaxpr_as_fun(body_jaxpr))
+
+    def run(dense, record):
+        carry = _densify(init, dense, jc.while_p)
+        _record(record, "carry_in", carry)
+
+        def cond(c):
+            (predicate,) = cond_fun(*cond_consts, *c)
+            return to_dense(predicate, jc.while_p)
+
+        def body(c):
+            out = _densify(body_fun(*body_consts, *c), dense, jc.while_p)
+            _record(record, "carry_out", out)
+            return out
+
+        return lax.while_loop(cond, body, carry)
+
+    return _run_with_carry_fallback(jc.while_p, init, run)
+
+
+# --- scan ---------------------------------------------------------------------
+
+
+def _aval_of_leaves(value: Value, leaf_shapes) -> jc.AbstractValue | None:
+    """The aval `value` would have with its array leaves replaced by arrays of the
+    given shapes (computed abstractly); None when `aval()` fails on them."""
+    leaves, treedef = jtu.tree_flatten(value)
+    found = []
+
+    def probe(*array_leaves):
+        it = iter(array_leaves)
+        rebuilt = [next(it) if eqx.is_array(leaf) else leaf for leaf in leaves]
+        found.append(checked_aval(jtu.tree_unflatten(treedef, rebuilt)))
+        return ()
+
+    structs = [
+        jax.ShapeDtypeStruct(shape, leaf.dtype)
+        for leaf, shape in zip([leaf for leaf in leaves if eqx.is_array(leaf)], leaf_shapes)
+    ]
+    try:
+        jax.eval_shape(probe, *structs)
+    except Exception:
+        return None
+    return found[0]
+
+
+def _array_leaves(value):
+    return [leaf for leaf in jtu.tree_leaves(value) if eqx.is_array(leaf)]
+
+
+def _scans_by_leaves(value: Value, length: int) -> bool:
+    """Whether slicing `value`'s leaves along axis 0 gives a Value of the sliced
+    shape (a stacked LoRA does; a `Zero` with no leaves does not)."""
+    leaves = _array_leaves(value)
+    if not leaves or any(leaf.ndim == 0 or leaf.shape[0] != length for leaf in leaves):
+        return False
+    step = _aval_of_leaves(value, [leaf.shape[1:] for leaf in leaves])
+    full = checked_aval(value)
+    return step is not None and step.shape == full.shape[1:] and step.dtype == full.dtype
+
+
+def _stacks_by_leaves(value: Value, length: int) -> bool:
+    """Whether stacking `value`'s leaves gives a Value of the stacked shape."""
+    leaves = _array_leaves(value)
+    if not leaves:
+        return False
+    stacked = _aval_of_leaves(value, [(length, *leaf.shape) for leaf in leaves])
+    step = checked_aval(value)
+    return stacked is not None and stacked.shape == (length, *step.shape) and stacked.dtype == step.dtype
+
+
+@register(jc.scan_p)
+def scan_p_values(
+    *args: AnyValue,
+    reverse: bool,
+    length: int,
+    jaxpr,
+    num_consts: int,
+    num_carry: int,
+    unroll=1,
+    **params,
+):
+    consts = args[:num_consts]
+    init = list(args[num_consts : num_consts + num_carry])
+    xs = [
+        to_dense(x, jc.scan_p) if isinstance(x, Value) and not _scans_by_leaves(x, length) else x
+        for x in args[num_consts + num_carry :]
+    ]
+    body_fun = quaxify(jc.jaxpr_as_fun(jaxpr))
+
+    def run(dense, record):
+        carry = _densify(init, dense, jc.scan_p)
+        _record(record, "carry_in", carry)
+
+        def body(c, x):
+            out = body_fun(*consts, *c, *x)
+            carry_out = _densify(out[:num_carry], dense, jc.scan_p)
+            _record(record, "carry_out", carry_out)
+            ys = [
+                to_dense(y, jc.scan_p) if isinstance(y, Value) and not _stacks_by_leaves(y, length) else y
+                for y in out[num_carry:]
+            ]
+            return carry_out, ys
+
+        carry_out, ys = lax.scan(body, carry, xs, length=length, reverse=reverse, unroll=unroll)
+        return [*carry_out, *ys]
+
+    return _run_with_carry_fallback(jc.scan_p, init, run)

@@ -1,0 +1,102 @@
+"""Every use of JAX internals lives here.
+
+quaxlike needs a handful of things JAX does not export publicly: the stackless
+trace API, the primitives of higher-order operations and a few jaxpr helpers.
+Keeping them in one module means a JAX release that moves them breaks this file
+only. Checked against jax 0.10.x; see `../shared/JAX-INTERNALS.md` for the facts
+this module relies on.
+"""
+
+import jax
+import jax.extend.core as jex_core
+from jax import lax
+from jax._src import core as _core
+from jax._src import linear_util as _lu
+
+
+# --- the trace API -----------------------------------------------------------
+
+Trace = _core.Trace
+Tracer = _core.Tracer
+AbstractValue = _core.AbstractValue
+ShapedArray = _core.ShapedArray
+set_current_trace = jex_core.set_current_trace
+take_current_trace = jex_core.take_current_trace
+
+# --- jaxprs ------------------------------------------------------------------
+
+Primitive = jex_core.Primitive
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+jaxpr_as_fun = jex_core.jaxpr_as_fun
+eval_jaxpr = _core.eval_jaxpr
+wrap_init = _lu.wrap_init
+WrappedFun = _lu.WrappedFun
+
+
+def is_primitive(obj) -> bool:
+    return isinstance(obj, _core.Primitive)
+
+
+def debug_info(name: str, fn, args, kwargs):
+    """A `DebugInfo` for `wrap_init`, which JAX requires since 0.5."""
+    from jax._src import api_util
+
+    return api_util.debug_info(name, fn, args, kwargs)
+
+
+def current_trace():
+    """The trace every `bind` would go to right now."""
+    return _core.trace_ctx.trace
+
+
+def check_leaks_enabled() -> bool:
+    return bool(jax.config.jax_check_tracer_leaks)
+
+
+# --- primitives of higher-order operations -----------------------------------
+
+_prims = jex_core.primitives
+jit_p = _prims.jit_p
+closed_call_p = _prims.closed_call_p
+call_p = _prims.call_p
+cond_p = lax.cond_p
+while_p = lax.while_p
+scan_p = lax.scan_p
+remat_p = _prims.remat_p
+custom_jvp_call_p = _prims.custom_jvp_call_p
+custom_vjp_call_p = _prims.custom_vjp_call_p
+
+
+def lax_primitive_by_name(name: str):
+    """Look a primitive up by name in `jax.lax` (`"add"` finds `lax.add_p`), then
+    in `jax.extend.core.primitives`. Returns `None` when there is none.
+    """
+    for namespace in (lax, _prims):
+        candidate = getattr(namespace, f"{name}_p", None)
+        if isinstance(candidate, _core.Primitive):
+            return candidate
+    # Some primitives' attribute names differ from their `.name` (`jit_p` is named
+    # "jit", `remat_p` is named "remat2", `scatter_add_p` is named "scatter-add").
+    for namespace in (lax, _prims):
+        for value in vars(namespace).values():
+            if isinstance(value, _core.Primitive) and value.name == name:
+                return value
+    return None
+
+
+def known_lax_primitive_names() -> list[str]:
+    names = set()
+    for namespace in (lax, _prims):
+        for attr, value in vars(namespace).items():
+            if isinstance(value, _core.Primitive) and attr.endswith("_p"):
+                names.add(attr[:-2])
+    return sorted(names)
+
+
+def check_no_leaks(trace) -> None:
+    """Raise JAX's own leaked-tracer error if any tracer still refers to `trace`
+    (only called when `jax_check_tracer_leaks` is on)."""
+    leaked = _core.maybe_find_leaked_tracers(trace)
+    if leaked:
+        raise _core.leaked_tracer_error("trace", trace, leaked)

@@ -1,0 +1,115 @@
+"""`quaxify`: run a function with Values lifted into a `QuaxTrace`."""
+
+import functools as ft
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import equinox as eqx
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from . import _jax_compat as jc
+from ._diagnostics import QuaxlikeError, messages
+from ._trace import QuaxTrace
+from ._values import Value, is_value
+
+
+_Return = TypeVar("_Return")
+
+
+def _partition(fn, args, kwargs, filter_spec):
+    if filter_spec is True:
+        return (fn, args, kwargs), None
+    try:
+        return eqx.partition((fn, args, kwargs), filter_spec, is_leaf=is_value)
+    except (ValueError, TypeError) as error:
+        raise QuaxlikeError(
+            messages.FILTER_SPEC_MISMATCH.format(fn=getattr(fn, "__name__", "fn"), error=error)
+        ) from None
+
+
+def _call_in_trace(trace: QuaxTrace, leaves, treedef, static):
+    # Runs in its own frame so that no local variable outlives the trace: JAX's
+    # leak checker counts any live reference to one of its tracers.
+    lifted = [trace.lift(x) if isinstance(x, Value) else x for x in leaves]
+    dynamic = jtu.tree_unflatten(treedef, lifted)
+    fn, args, kwargs = dynamic if static is None else eqx.combine(dynamic, static, is_leaf=is_value)
+    out = fn(*args, **kwargs)
+    # Flatten fully (into Values too) so that a Value built from this trace's
+    # tracers comes back as a Value holding Values, not holding tracers.
+    out_leaves, out_treedef = jtu.tree_flatten(out)
+    return jtu.tree_unflatten(out_treedef, [trace.unwrap(x) for x in out_leaves])
+
+
+class Quaxify(eqx.Module, Generic[_Return]):
+    """The wrapper `quaxify` returns. An Equinox Module, so it is a PyTree whose
+    leaves are those of the wrapped function."""
+
+    fn: Callable[..., _Return]
+    filter_spec: PyTree = eqx.field(static=True)
+
+    @property
+    def __wrapped__(self) -> Callable[..., _Return]:
+        return self.fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Return:
+        dynamic, static = _partition(self.fn, args, kwargs, self.filter_spec)
+        leaves, treedef = jtu.tree_flatten(dynamic, is_leaf=is_value)
+        if not any(isinstance(x, Value) for x in leaves):
+            # Nothing to lift: exactly the function itself, at no cost.
+            return self.fn(*args, **kwargs)
+        with jc.take_current_trace() as parent:
+            trace = QuaxTrace(parent)
+            try:
+                with jc.set_current_trace(trace):
+                    out = _call_in_trace(trace, leaves, treedef, static)
+            finally:
+                trace.invalidate()
+            if jc.check_leaks_enabled():
+                jc.check_no_leaks(trace)
+        return out
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        return jtu.Partial(self, instance)
+
+
+def quaxify(fn: Callable[..., _Return], filter_spec: PyTree[bool | Callable[[Any], bool]] = True) -> Callable[..., _Return]:
+    """Make `fn` accept Values wherever it accepts arrays.
+
+    On each call, `(fn, args, kwargs)` is split with
+    `eqx.partition(..., filter_spec, is_leaf=<is a Value>)`. The selected Values are
+    lifted into a new trace and `fn` runs on them as if they were arrays; every JAX
+    primitive applied to one of them goes to the rules registered with
+    `quaxlike.register`. Values in the output come back as Values, arrays as arrays.
+
+    Leaves that `filter_spec` does not select pass through untouched, so an outer
+    `quaxify` can claim them: nesting `quaxify` calls with different `filter_spec`s
+    decides which type's rules see an operation first. When no Value is selected,
+    `fn` is called directly.
+
+    **Arguments:**
+
+    - `fn`: the function to wrap. It may close over Values or take them as
+        arguments, and may be an Equinox Module (a model) holding Values.
+    - `filter_spec`: which leaves of `(fn, args, kwargs)` to lift: a bool, a
+        callable `leaf -> bool`, or a PyTree prefix of those.
+
+    **Returns:**
+
+    A wrapper with the same signature as `fn`. It is an `eqx.Module` (so a PyTree),
+    keeps `fn`'s name and docstring, exposes it as `__wrapped__`, and binds as a
+    method when used as a class attribute.
+
+    !!! example
+
+        ```python
+        @quaxlike.quaxify
+        def f(w, x):
+            return w @ x
+
+        f(lora_weight, x)  # runs the registered `dot_general` rule for LoraArray
+        ```
+    """
+    return eqx.module_update_wrapper(Quaxify(fn, filter_spec))

@@ -1,0 +1,297 @@
+"""The rule registry: one plum dispatcher per primitive, and rule lookup.
+
+Lookup is done here rather than by calling the plum `Function`, for two reasons:
+plum caches nothing when a signature uses `ArrayLike` (an "unfaithful" type, see
+JAX-INTERNALS §5), and rules may return `NotImplemented` to hand over to the next
+applicable rule, which plum has no notion of. So we ask plum's `Signature`s which
+methods match and which is more specific, and cache the resulting chain of rules per
+(primitive, argument kinds) until the next `register`.
+"""
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import plum
+
+from . import _jax_compat as jc
+from ._diagnostics import AmbiguousRuleError, QuaxlikeError, messages
+from ._values import Value
+
+
+_Rule = TypeVar("_Rule", bound=Callable[..., Any])
+
+# One plum Function per primitive holds the registered rules.
+_dispatchers: dict[jc.Primitive, plum.Function] = {}
+# (primitive, argument kinds) -> _Resolution
+_resolution_cache: dict[tuple, "_Resolution"] = {}
+
+_COMMUTATIVE_NAMES = frozenset(
+    ["add", "mul", "max", "min", "and", "or", "xor", "eq", "ne", "add_any"]
+)
+
+
+def _as_primitives(primitive) -> list[jc.Primitive]:
+    if isinstance(primitive, (list, tuple)):
+        return [p for item in primitive for p in _as_primitives(item)]
+    if isinstance(primitive, str):
+        found = jc.lax_primitive_by_name(primitive)
+        if found is None:
+            examples = ", ".join(repr(n) for n in ["add", "mul", "dot_general", "reduce_sum"])
+            raise QuaxlikeError(
+                messages.UNKNOWN_PRIMITIVE_NAME.format(name=primitive, examples=examples)
+            )
+        return [found]
+    if jc.is_primitive(primitive):
+        return [primitive]
+    raise QuaxlikeError(
+        messages.NOT_A_PRIMITIVE.format(got=primitive, type_name=type(primitive).__qualname__)
+    )
+
+
+def _check_rule_annotations(rule: Callable, primitive: jc.Primitive) -> None:
+    try:
+        signature = inspect.signature(rule)
+    except (TypeError, ValueError):  # builtins and the like: let plum judge
+        return
+    positional = (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.VAR_POSITIONAL,
+    )
+    for parameter in signature.parameters.values():
+        if parameter.kind in positional and parameter.annotation is inspect.Parameter.empty:
+            raise QuaxlikeError(
+                messages.UNANNOTATED_RULE_ARGUMENT.format(
+                    rule=getattr(rule, "__qualname__", rule),
+                    primitive=primitive.name,
+                    arg=parameter.name,
+                )
+            )
+
+
+def _dispatcher_for(primitive: jc.Primitive) -> plum.Function:
+    try:
+        return _dispatchers[primitive]
+    except KeyError:
+        pass
+
+    def placeholder(*args, **params):  # never called: lookup goes through `dispatch`
+        raise AssertionError
+
+    name = f"{primitive.name.replace('-', '_')}_rules"
+    placeholder.__name__ = name
+    placeholder.__qualname__ = name
+    function = plum.Function(placeholder)
+    _dispatchers[primitive] = function
+    return function
+
+
+def register(primitive, *, precedence: int = 0) -> Callable[[_Rule], _Rule]:
+    """Register a rule saying what a primitive does with some argument types.
+
+    Used as a decorator. The rule's positional arguments are the primitive's
+    operands and are dispatched on by type (multiple dispatch with plum): annotate
+    each with a `Value` subclass, `jaxtyping.ArrayLike`, or a union of those. Its
+    keyword arguments are the primitive's params; accept them with `**params`,
+    since JAX adds params between releases.
+
+    A rule returns what the primitive would (an array or Value, or a list of them
+    for a primitive with multiple results), or `NotImplemented` to hand over to the
+    next matching rule and finally to the `default`. For commutative binary
+    primitives (`add`, `mul`, `max`, `min`, `and`, `or`, `xor`, `eq`, `ne`,
+    `add_any`) a rule written for `(a, b)` is also used for `(b, a)`.
+
+    **Arguments:**
+
+    - `primitive`: a JAX primitive (`jax.lax.mul_p`), the name of a `jax.lax`
+        primitive (`"mul"`), or a list/tuple of those.
+    - `precedence`: breaks ties between rules that match equally well; the
+        higher wins.
+
+    **Returns:**
+
+    A decorator that registers the rule and returns it unchanged.
+
+    !!! example
+
+        ```python
+        @quaxlike.register(jax.lax.mul_p)
+        def mul_p_zero_any(x: Zero, y: ArrayLike | quaxlike.ArrayValue, **params):
+            return Zero(jnp.broadcast_shapes(x.shape, jnp.shape(y)), x.dtype)
+        ```
+    """
+    primitives = _as_primitives(primitive)
+
+    def decorator(rule: _Rule) -> _Rule:
+        if isinstance(rule, plum.Function):
+            implementations = [m.implementation for m in rule.methods]
+        elif callable(rule):
+            implementations = [rule]
+        else:
+            raise QuaxlikeError(
+                messages.RULE_NOT_CALLABLE.format(primitive=primitives[0].name, got=rule)
+            )
+        for prim in primitives:
+            for implementation in implementations:
+                _check_rule_annotations(implementation, prim)
+                _dispatcher_for(prim).register(implementation, precedence=precedence)
+        _resolution_cache.clear()
+        return rule
+
+    return decorator
+
+
+def rules_for(primitive: jc.Primitive) -> list[plum.Method]:
+    """The rules registered for `primitive`, as plum methods (for inspection)."""
+    function = _dispatchers.get(primitive)
+    return [] if function is None else list(function.methods)
+
+
+# --- lookup ------------------------------------------------------------------
+
+
+def _kind(x) -> Any:
+    # Everything a signature's match depends on. For tracers, whether they count
+    # as a `jax.Array` depends on the class of their aval (JAX-INTERNALS §1).
+    if isinstance(x, jc.Tracer):
+        return (type(x), type(x.aval))
+    return type(x)
+
+
+def _method_name(method: plum.Method) -> str:
+    implementation = method.implementation
+    name = getattr(implementation, "__qualname__", repr(implementation))
+    module = getattr(implementation, "__module__", None)
+    return f"{module}.{name}" if module else name
+
+
+def _describe(method: plum.Method) -> str:
+    try:
+        code = method.implementation.__code__
+        location = f"{code.co_filename}:{code.co_firstlineno}"
+    except AttributeError:
+        location = "<unknown location>"
+    return f"  - {_method_name(method)} {method.signature} (precedence {method.signature.precedence}), at {location}"
+
+
+def _type_names(values: Sequence[Any]) -> str:
+    return ", ".join(type(v).__qualname__ for v in values)
+
+
+def _best(methods: list[plum.Method], values: tuple, primitive: jc.Primitive):
+    """The most specific of `methods` (all of which match `values`), following plum's
+    resolution: minimal signatures, then the unique highest precedence."""
+    candidates: list[plum.Method] = []
+    for method in methods:
+        signature = method.signature
+        if not any(c.signature.is_comparable(signature) for c in candidates):
+            candidates.append(method)
+            continue
+        kept = [c for c in candidates if not signature < c.signature]
+        if any(signature <= c.signature for c in candidates):
+            candidates = kept + [method]
+        else:
+            candidates = kept
+    if len(candidates) == 1:
+        return candidates[0]
+    precedences = [c.signature.precedence for c in candidates]
+    top = max(precedences)
+    if precedences.count(top) == 1:
+        return candidates[precedences.index(top)]
+    return AmbiguousRuleError(
+        messages.AMBIGUOUS.format(
+            primitive=primitive.name,
+            types=_type_names(values),
+            candidates="\n".join(_describe(c) for c in candidates),
+        )
+    )
+
+
+def _chain(methods: list[plum.Method], values: tuple, primitive: jc.Primitive) -> list:
+    """Matching methods, best first; an ambiguity error ends the chain."""
+    remaining = [m for m in methods if m.signature.match(values)]
+    chain: list = []
+    while remaining:
+        best = _best(remaining, values, primitive)
+        chain.append(best)
+        if isinstance(best, Exception):
+            break
+        remaining.remove(best)
+    return chain
+
+
+def _default_owner(cls: type) -> type:
+    for klass in cls.__mro__:
+        if "default" in vars(klass):
+            return klass
+    return Value
+
+
+class _Resolution:
+    __slots__ = ("chain", "default")
+
+    def __init__(self, chain: list, default: Callable):
+        # `chain` holds (method, swapped) pairs, or an exception to raise.
+        self.chain = chain
+        self.default = default
+
+
+def _resolve(primitive: jc.Primitive, values: tuple) -> _Resolution:
+    function = _dispatchers.get(primitive)
+    methods = [] if function is None else list(function.methods)
+    chain: list = [(m, False) if not isinstance(m, Exception) else m for m in _chain(methods, values, primitive)]
+    if len(values) == 2 and primitive.name in _COMMUTATIVE_NAMES:
+        seen = {id(m) for m, _ in (c for c in chain if not isinstance(c, Exception))}
+        swapped = _chain([m for m in methods if id(m) not in seen], values[::-1], primitive)
+        if not any(isinstance(c, Exception) for c in chain):
+            chain += [(m, True) if not isinstance(m, Exception) else m for m in swapped]
+
+    owners = {}
+    for value in values:
+        if isinstance(value, Value):
+            owner = _default_owner(type(value))
+            if owner is not Value:
+                owners.setdefault(vars(owner)["default"], owner)
+    if len(owners) > 1:
+        error = QuaxlikeError(
+            messages.CONFLICTING_DEFAULTS.format(
+                primitive=primitive.name,
+                types=_type_names(values),
+                owners=", ".join(o.__qualname__ for o in owners.values()),
+            )
+        )
+
+        def default(primitive, values, params):
+            raise error
+    elif len(owners) == 1:
+        (owner,) = owners.values()
+        default = owner.default
+    else:
+        default = Value.default
+    return _Resolution(chain, default)
+
+
+def dispatch(primitive: jc.Primitive, values: Sequence[Any], params: dict[str, Any]):
+    """Apply `primitive` to `values` using the registered rules.
+
+    Order: the matching rules, most specific first (a rule returning
+    `NotImplemented` hands over to the next); then the single overridden
+    `default` among the Values' types; then materialise and bind.
+    """
+    values = tuple(values)
+    key = (primitive, *map(_kind, values))
+    try:
+        resolution = _resolution_cache[key]
+    except KeyError:
+        resolution = _resolution_cache[key] = _resolve(primitive, values)
+    for entry in resolution.chain:
+        if isinstance(entry, Exception):
+            raise entry
+        method, swapped = entry
+        args = values[::-1] if swapped else values
+        out = method.implementation(*args, **params)
+        if out is not NotImplemented:
+            return out, method
+    return resolution.default(primitive, values, params), None
+

@@ -1,0 +1,148 @@
+"""The tracer and trace that carry Values through a JAX program.
+
+`QuaxTracer` wraps one `Value` and presents its `aval()` to JAX, so user code
+sees an ordinary array. `QuaxTrace.process_primitive` unwraps its own tracers,
+asks the rule registry what to do (running the rule under the parent trace), and
+wraps any Values in the result again. Plain arrays leave the interpreter at once:
+only Values ever become tracers of this trace.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _jax_compat as jc
+from ._diagnostics import QuaxlikeError, messages
+from ._rules import dispatch
+from ._values import Value, checked_aval
+
+
+class QuaxTracer(jc.Tracer):
+    __slots__ = ("value",)
+
+    def __init__(self, trace: "QuaxTrace", value: Value):
+        super().__init__(trace, checked_aval(value))
+        self.value = value
+
+    def full_lower(self):
+        return self
+
+    def __repr__(self):
+        return f"QuaxTracer<{type(self.value).__qualname__}: {self.aval.str_short()}>"
+
+
+class QuaxTrace(jc.Trace):
+    """One `quaxify` call's trace. Its parent is whatever trace was current when
+    the call began (another `QuaxTrace`, a jit/grad/vmap trace, or eager)."""
+
+    def __init__(self, parent_trace):
+        super().__init__()
+        self.parent_trace = parent_trace
+
+    # --- moving between Values and tracers -----------------------------------
+
+    def lift(self, value: Value) -> QuaxTracer:
+        return QuaxTracer(self, value)
+
+    def owns(self, x: Any) -> bool:
+        return type(x) is QuaxTracer and x._trace is self
+
+    def unwrap(self, x: Any) -> Any:
+        return x.value if type(x) is QuaxTracer and x._trace is self else x
+
+    def _wrap_output(self, x: Any, primitive, rule) -> Any:
+        if isinstance(x, Value):
+            return QuaxTracer(self, x)
+        if isinstance(x, (jax.Array, jc.Tracer)):
+            return x
+        try:
+            with jc.set_current_trace(self.parent_trace):
+                return jnp.asarray(x)
+        except TypeError:
+            raise QuaxlikeError(
+                messages.RULE_RETURNED_NON_ARRAY.format(
+                    rule=_rule_name(rule), primitive=primitive.name, got=type(x).__qualname__
+                )
+            ) from None
+
+    # --- the hooks JAX calls -------------------------------------------------
+
+    def process_primitive(self, primitive, tracers, params):
+        if not any(type(t) is QuaxTracer and t._trace is self for t in tracers):
+            # No Value involved: hand the operation straight to the parent trace.
+            return primitive.bind_with_trace(
+                self.parent_trace, tracers, [jax.typeof(t) for t in tracers], params
+            )
+        values = [self.unwrap(t) for t in tracers]
+        with jc.set_current_trace(self.parent_trace):
+            out, rule = dispatch(primitive, values, params)
+        if primitive.multiple_results:
+            if not isinstance(out, (list, tuple)):
+                raise QuaxlikeError(
+                    messages.RULE_RETURNED_SINGLE.format(
+                        rule=_rule_name(rule), primitive=primitive.name, got=type(out).__qualname__
+                    )
+                )
+            return [self._wrap_output(x, primitive, rule) for x in out]
+        if isinstance(out, (list, tuple)):
+            raise QuaxlikeError(
+                messages.RULE_RETURNED_SEQUENCE.format(
+                    rule=_rule_name(rule), primitive=primitive.name, got=type(out).__qualname__
+                )
+            )
+        return self._wrap_output(out, primitive, rule)
+
+    def process_call(self, call_primitive, f, tracers, params):
+        if not any(self.owns(t) for t in tracers):
+            with jc.set_current_trace(self.parent_trace):
+                return call_primitive.bind(f, *tracers, **params)
+        # Inline the call: its body runs under this trace.
+        with jc.set_current_trace(self):
+            return f.call_wrapped(*tracers)
+
+    def process_custom_jvp_call(self, primitive, fun, jvp, tracers, *, symbolic_zeros):
+        if not any(self.owns(t) for t in tracers):
+            return self.parent_trace.process_custom_jvp_call(
+                primitive, fun, jvp, tracers, symbolic_zeros=symbolic_zeros
+            )
+        from ._higher_order._custom_ad import custom_jvp_with_values
+
+        return custom_jvp_with_values(self, primitive, fun, jvp, tracers, symbolic_zeros)
+
+    def process_custom_vjp_call(
+        self, primitive, fun, fwd, bwd, tracers, *, out_trees, symbolic_zeros
+    ):
+        if not any(self.owns(t) for t in tracers):
+            return self.parent_trace.process_custom_vjp_call(
+                primitive, fun, fwd, bwd, tracers, out_trees=out_trees, symbolic_zeros=symbolic_zeros
+            )
+        from ._higher_order._custom_ad import custom_vjp_with_values
+
+        return custom_vjp_with_values(self, primitive, fun, fwd, bwd, tracers, out_trees, symbolic_zeros)
+
+    def process_shard_map(self, primitive, fun, args, **params):
+        if not any(self.owns(t) for t in args):
+            return self.parent_trace.process_shard_map(primitive, fun, args, **params)
+        raise NotImplementedError(
+            "quaxlike: `shard_map` with Values among its inputs is not supported yet. "
+            "Materialise the Values before the `shard_map`, or call `quaxify` inside "
+            "the mapped function instead of around it."
+        )
+
+    def stage_value(self, val):
+        if self.owns(val):
+            return val
+        return self.parent_trace.stage_value(val)
+
+
+def _rule_name(rule) -> str:
+    if rule is None:
+        return "default"
+    implementation = getattr(rule, "implementation", rule)
+    return getattr(implementation, "__qualname__", repr(implementation))
+
+
+def lift_all(trace: QuaxTrace, leaves: Sequence[Any]) -> list[Any]:
+    return [trace.lift(x) if isinstance(x, Value) else x for x in leaves]

@@ -1,0 +1,157 @@
+"""The base classes users subclass: `Value` and `ArrayValue`."""
+
+import abc
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jaxtyping import ArrayLike
+
+from . import _jax_compat as jc
+from ._diagnostics import QuaxlikeError, messages
+
+
+class Value(eqx.Module):
+    """Base class for every type that stands in for a JAX value inside `quaxify`.
+
+    A `Value` is an Equinox Module, so it is a PyTree: `jax.jit`, `eqx.tree_at`
+    and optax all see its fields. Subclasses describe what they stand for with
+    `aval()` and how to become an ordinary array with `materialise()`; rules
+    registered with `quaxlike.register` say what each primitive does with them.
+
+    A subclass may also override the static method `default` to take over every
+    primitive that has no rule for it (for example to raise, or to materialise in a
+    special way).
+    """
+
+    @abc.abstractmethod
+    def aval(self) -> jc.AbstractValue:
+        """The abstract value (usually a `jax.core.ShapedArray`) this Value stands for.
+
+        It is computed once when the Value enters a `quaxify` trace. It should only
+        read shapes and dtypes, and never add operations to a traced program.
+        """
+
+    @abc.abstractmethod
+    def materialise(self) -> Any:
+        """Build the ordinary array this Value stands for.
+
+        Called when a primitive has no rule for this type. Types that must never
+        become dense should raise here, naming the type.
+        """
+
+    @staticmethod
+    def default(
+        primitive: jc.Primitive,
+        values: Sequence["ArrayLike | Value"],
+        params: dict[str, Any],
+    ) -> "ArrayLike | Value | Sequence[ArrayLike | Value]":
+        """The fallback for a primitive that has no rule for these argument types.
+
+        The base implementation materialises every Value and binds the primitive on
+        the results. Override it (as a `@staticmethod`) to change that for a type.
+
+        **Arguments:**
+
+        - `primitive`: the JAX primitive being applied.
+        - `values`: its positional arguments; Values and ordinary arrays.
+        - `params`: the primitive's parameters.
+
+        **Returns:**
+
+        What `primitive.bind` would return: one result, or a list of them for a
+        primitive with `multiple_results`.
+        """
+        arrays = [materialise_value(v, primitive) if isinstance(v, Value) else v for v in values]
+        return primitive.bind(*arrays, **params)
+
+
+class ArrayValue(Value):
+    """A `Value` that stands for an array: adds `shape`, `dtype`, `ndim` and `size`,
+    all read from `aval()`.
+    """
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.aval().shape  # pyright: ignore
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.aval().dtype  # pyright: ignore
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+
+class DenseArrayValue(ArrayValue):
+    """A Value that wraps one ordinary array and materialises to it.
+
+    Every primitive falls back to materialising, so a `DenseArrayValue` computes
+    exactly what the wrapped array would; it is useful to force arrays through the
+    interpreter (benchmarks, tests) and as the simplest possible example type.
+    """
+
+    array: ArrayLike
+
+    def aval(self) -> jc.ShapedArray:
+        return jax.typeof(self.array)  # pyright: ignore
+
+    def materialise(self) -> ArrayLike:
+        return self.array
+
+
+def is_value(x: Any) -> bool:
+    return isinstance(x, Value)
+
+
+def checked_aval(value: Value) -> jc.AbstractValue:
+    """Call `value.aval()` and check it returned an abstract value."""
+    aval = value.aval()
+    if not isinstance(aval, jc.AbstractValue):
+        raise QuaxlikeError(
+            messages.BAD_AVAL.format(type_name=type(value).__qualname__, got=type(aval).__qualname__)
+        )
+    return aval
+
+
+def materialise_value(value: Value, primitive: jc.Primitive | None = None) -> Any:
+    """Materialise `value` until it is no longer a Value, checking the result
+    has the shape and dtype that `aval()` promised.
+    """
+    aval = checked_aval(value)
+    out = value.materialise()
+    depth = 0
+    while isinstance(out, Value):
+        depth += 1
+        if depth > 100:
+            raise QuaxlikeError(
+                messages.MATERIALISE_LOOP.format(type_name=type(value).__qualname__)
+            )
+        out = out.materialise()
+    out_shape = np.shape(out)
+    out_dtype = jax.dtypes.result_type(out) if not isinstance(out, jax.Array) else out.dtype
+    expected_shape = getattr(aval, "shape", out_shape)
+    expected_dtype = getattr(aval, "dtype", out_dtype)
+    if tuple(out_shape) != tuple(expected_shape) or (
+        out_dtype != expected_dtype and not _is_weak_python_scalar(out)
+    ):
+        raise QuaxlikeError(
+            messages.MATERIALISE_MISMATCH.format(
+                type_name=type(value).__qualname__,
+                primitive=primitive if primitive is not None else "(none)",
+                expected=f"{expected_dtype}{list(expected_shape)}",
+                got=f"{out_dtype}{list(out_shape)}",
+            )
+        )
+    return out
+
+
+def _is_weak_python_scalar(x) -> bool:
+    return isinstance(x, (bool, int, float, complex))

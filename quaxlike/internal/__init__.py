@@ -1,0 +1,5 @@
+"""Helpers for authors of Value types. No stability promise: see README.md."""
+
+from .._jax_compat import AbstractValue as AbstractValue, ShapedArray as ShapedArray
+from .._values import materialise_value as materialise_value
+from ._helpers import output_aval as output_aval

@@ -1,0 +1,27 @@
+import jax
+import pytest
+
+
+# Every test runs with JAX's tracer-leak checker on, and with strict dtype
+# promotion so that silent up-casts show up as errors.
+jax.config.update("jax_check_tracer_leaks", True)
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="run the exhaustive sweeps")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="exhaustive sweep: pass --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def getkey():
+    keys = iter(jax.random.split(jax.random.key(0), 1000))
+    return lambda: next(keys)
