@@ -65,6 +65,14 @@ class messages:
         "array of type {got}, but `{type_name}.aval()` says {expected}. Make "
         "`materialise()` agree with `aval()`."
     )
+    NO_RULE_AND_REFUSED = (
+        "No rule for primitive `{primitive}` with argument types ({types}), so "
+        "quaxlike fell back to materialising the {type_name} at position {position}, "
+        "and its `materialise()` refused: {error}\n"
+        "To handle `{primitive}` without materialising, register a rule:\n"
+        "    @quaxlike.register(\"{primitive}\")\n"
+        "    def {rule_name}({annotations}, **params): ..."
+    )
     MATERIALISE_LOOP = (
         "`{type_name}.materialise()` kept returning Values more than 100 times; it must "
         "eventually return an ordinary array."

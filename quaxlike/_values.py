@@ -2,7 +2,7 @@
 
 import abc
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -10,7 +10,7 @@ import numpy as np
 from jaxtyping import ArrayLike
 
 from . import _jax_compat as jc
-from ._diagnostics import QuaxlikeError, messages
+from ._diagnostics import MaterialisationError, QuaxlikeError, messages
 
 
 class Value(eqx.Module):
@@ -24,7 +24,17 @@ class Value(eqx.Module):
     A subclass may also override the static method `default` to take over every
     primitive that has no rule for it (for example to raise, or to materialise in a
     special way).
+
+    The class attribute `structured_tangents` (default `True`) says whether a
+    tangent of this type's array leaves is itself a valid Value of the same type:
+    true when `materialise()` is linear in the leaves (symbolic zeros, units,
+    sparse data, named axes). `custom_jvp` rules then receive tangent Values of
+    this type. Set it to `False` for types like LoRA (`W + A @ B` is bilinear in
+    `A`, `B`); their `custom_jvp` functions are differentiated through the primal
+    computation instead.
     """
+
+    structured_tangents: ClassVar[bool] = True
 
     @abc.abstractmethod
     def aval(self) -> jc.AbstractValue:
@@ -64,7 +74,10 @@ class Value(eqx.Module):
         What `primitive.bind` would return: one result, or a list of them for a
         primitive with `multiple_results`.
         """
-        arrays = [materialise_value(v, primitive) if isinstance(v, Value) else v for v in values]
+        arrays = [
+            materialise_for(primitive, values, i) if isinstance(v, Value) else v
+            for i, v in enumerate(values)
+        ]
         return primitive.bind(*arrays, **params)
 
 
@@ -155,3 +168,30 @@ def materialise_value(value: Value, primitive: jc.Primitive | None = None) -> An
 
 def _is_weak_python_scalar(x) -> bool:
     return isinstance(x, (bool, int, float, complex))
+
+
+def materialise_for(primitive: jc.Primitive, values: Sequence[Any], position: int) -> Any:
+    """Materialise `values[position]` because `primitive` has no rule for `values`;
+    if the type refuses, say which primitive needed it and how to add a rule."""
+    value = values[position]
+    try:
+        return materialise_value(value, primitive)
+    except QuaxlikeError:
+        raise
+    except Exception as error:
+        type_name = type(value).__qualname__
+        annotations = ", ".join(
+            f"x{i}: {type(v).__qualname__}" if isinstance(v, Value) else f"x{i}: ArrayLike"
+            for i, v in enumerate(values)
+        )
+        raise MaterialisationError(
+            messages.NO_RULE_AND_REFUSED.format(
+                primitive=primitive.name,
+                types=", ".join(type(v).__qualname__ for v in values),
+                type_name=type_name,
+                position=position,
+                error=f"{type(error).__name__}: {error}",
+                annotations=annotations,
+                rule_name=f"{primitive.name.replace('-', '_')}_p_{type_name.lower()}",
+            )
+        ) from error

@@ -1,5 +1,5 @@
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -14,10 +14,9 @@ from quaxlike.internal import ShapedArray
 
 
 _REFUSE_MSG = (
-    "Refusing to materialise a `LoraArray` of shape {shape} (primitive `{primitive}` "
-    "has no LoraArray rule). Building `W + A @ B` densely defeats the point of LoRA. "
-    "Register a rule for the primitive, or construct the LoraArray with "
-    "`allow_materialise=True` if a dense copy is acceptable."
+    "Refusing to materialise a LoraArray of shape {shape}: building `W + A @ B` "
+    "densely defeats the point of LoRA. Construct it with `allow_materialise=True` "
+    "if a dense copy is acceptable."
 )
 
 
@@ -43,6 +42,9 @@ class LoraArray(quaxlike.ArrayValue):
     - `stop_gradient`: whether gradients stop at `W` (it is frozen).
     - `key`: a JAX PRNG key for the initial `A`.
     """
+
+    # W + A @ B is bilinear in (A, B): a tangent of the leaves is not a LoraArray.
+    structured_tangents: ClassVar[bool] = False
 
     w: Array
     a: Array
@@ -76,7 +78,7 @@ class LoraArray(quaxlike.ArrayValue):
 
     def materialise(self):
         if not self.allow_materialise:
-            raise RuntimeError(_REFUSE_MSG.format(shape=_shape(self.w), primitive="(unknown)"))
+            raise RuntimeError(_REFUSE_MSG.format(shape=_shape(self.w)))
         return self.dense()
 
     def dense(self):
