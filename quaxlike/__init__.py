@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from . import _higher_order  # noqa: F401  (registers the higher-order rules)
 from ._diagnostics import (
     AmbiguousRuleError as AmbiguousRuleError,
     MaterialisationError as MaterialisationError,
@@ -10,8 +11,6 @@ from ._diagnostics import (
 from ._quaxify import quaxify as quaxify
 from ._rules import register as register, rules_for as rules_for
 from ._values import ArrayValue as ArrayValue, DenseArrayValue as DenseArrayValue, Value as Value
-
-from . import _higher_order  # noqa: F401  (registers the higher-order rules)
 
 
 try:

@@ -70,7 +70,7 @@ class messages:
         "quaxlike fell back to materialising the {type_name} at position {position}, "
         "and its `materialise()` refused: {error}\n"
         "To handle `{primitive}` without materialising, register a rule:\n"
-        "    @quaxlike.register(\"{primitive}\")\n"
+        '    @quaxlike.register("{primitive}")\n'
         "    def {rule_name}({annotations}, **params): ..."
     )
     MATERIALISE_LOOP = (
@@ -96,6 +96,14 @@ class messages:
         "PyTree prefix of `(fn, args, kwargs)` made of those; for example "
         "`filter_spec=(False, (True, False), False)` to select only the first of "
         "two positional arguments. Equinox said: {error}"
+    )
+    VALUE_NOT_LIFTED = (
+        "Primitive `{primitive}` received a {type_name} (at position {position}) that no "
+        "`quaxify` has lifted, so JAX saw an unknown object instead of an array. "
+        "Either the Value is not inside any `quaxify` call, or the `filter_spec` of the "
+        "enclosing `quaxify` did not select it. Wrap the function with "
+        "`quaxlike.quaxify(fn)` (the default `filter_spec=True` lifts every Value), or "
+        "widen the `filter_spec` to include this {type_name}."
     )
     BAD_OPERAND = (
         "Primitive `{primitive}` received an operand of type {type_name} at position "

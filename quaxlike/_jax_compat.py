@@ -10,8 +10,7 @@ this module relies on.
 import jax
 import jax.extend.core as jex_core
 from jax import lax
-from jax._src import core as _core
-from jax._src import linear_util as _lu
+from jax._src import core as _core, linear_util as _lu
 
 
 # --- the trace API -----------------------------------------------------------

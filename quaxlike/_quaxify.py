@@ -1,6 +1,6 @@
 """`quaxify`: run a function with Values lifted into a `QuaxTrace`."""
 
-import functools as ft
+import re
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -9,9 +9,9 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from . import _jax_compat as jc
-from ._diagnostics import QuaxlikeError, messages
+from ._diagnostics import messages, QuaxlikeError
 from ._trace import QuaxTrace
-from ._values import Value, is_value
+from ._values import is_value, Value
 
 
 _Return = TypeVar("_Return")
@@ -26,6 +26,40 @@ def _partition(fn, args, kwargs, filter_spec):
         raise QuaxlikeError(
             messages.FILTER_SPEC_MISMATCH.format(fn=getattr(fn, "__name__", "fn"), error=error)
         ) from None
+
+
+_JAX_OPERAND_ERROR = re.compile(
+    r"Error interpreting argument to (\S+) as a JAX value.*of type <class '([\w.<>]+)'>"
+    r".*at position (\d+)",
+    re.DOTALL,
+)
+
+
+def _unlifted_value_error(error: TypeError) -> QuaxlikeError | None:
+    """JAX's error for a Value that reached a primitive without being lifted,
+    rewritten to say why that happens and what to do."""
+    match = _JAX_OPERAND_ERROR.search(str(error))
+    if match is None:
+        return None
+    primitive, qualified_name, position = match.groups()
+    type_name = qualified_name.rsplit(".", 1)[-1]
+    known = {cls.__name__ for cls in _value_subclasses()}
+    if type_name not in known:
+        return None
+    return QuaxlikeError(
+        messages.VALUE_NOT_LIFTED.format(
+            primitive=primitive, type_name=type_name, position=position
+        )
+    )
+
+
+def _value_subclasses():
+    pending, seen = [Value], []
+    while pending:
+        cls = pending.pop()
+        seen.append(cls)
+        pending.extend(cls.__subclasses__())
+    return seen
 
 
 def _call_in_trace(trace: QuaxTrace, leaves, treedef, static):
@@ -55,9 +89,18 @@ class Quaxify(eqx.Module, Generic[_Return]):
     def __call__(self, *args: Any, **kwargs: Any) -> _Return:
         dynamic, static = _partition(self.fn, args, kwargs, self.filter_spec)
         leaves, treedef = jtu.tree_flatten(dynamic, is_leaf=is_value)
-        if not any(isinstance(x, Value) for x in leaves):
-            # Nothing to lift: exactly the function itself, at no cost.
-            return self.fn(*args, **kwargs)
+        try:
+            if not any(isinstance(x, Value) for x in leaves):
+                # Nothing to lift: exactly the function itself, at no cost.
+                return self.fn(*args, **kwargs)
+            return self._call_lifted(leaves, treedef, static)
+        except TypeError as error:
+            unlifted = _unlifted_value_error(error)
+            if unlifted is None:
+                raise
+            raise unlifted from error
+
+    def _call_lifted(self, leaves, treedef, static):
         with jc.take_current_trace() as parent:
             trace = QuaxTrace(parent)
             try:
@@ -75,7 +118,9 @@ class Quaxify(eqx.Module, Generic[_Return]):
         return jtu.Partial(self, instance)
 
 
-def quaxify(fn: Callable[..., _Return], filter_spec: PyTree[bool | Callable[[Any], bool]] = True) -> Callable[..., _Return]:
+def quaxify(
+    fn: Callable[..., _Return], filter_spec: PyTree[bool | Callable[[Any], bool]] = True
+) -> Callable[..., _Return]:
     """Make `fn` accept Values wherever it accepts arrays.
 
     On each call, `(fn, args, kwargs)` is split with

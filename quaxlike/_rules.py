@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import plum
 
 from . import _jax_compat as jc
-from ._diagnostics import AmbiguousRuleError, QuaxlikeError, messages
+from ._diagnostics import AmbiguousRuleError, messages, QuaxlikeError
 from ._values import Value
 
 
@@ -240,7 +240,10 @@ class _Resolution:
 def _resolve(primitive: jc.Primitive, values: tuple) -> _Resolution:
     function = _dispatchers.get(primitive)
     methods = [] if function is None else list(function.methods)
-    chain: list = [(m, False) if not isinstance(m, Exception) else m for m in _chain(methods, values, primitive)]
+    chain: list = [
+        (m, False) if not isinstance(m, Exception) else m
+        for m in _chain(methods, values, primitive)
+    ]
     if len(values) == 2 and primitive.name in _COMMUTATIVE_NAMES:
         seen = {id(m) for m, _ in (c for c in chain if not isinstance(c, Exception))}
         swapped = _chain([m for m in methods if id(m) not in seen], values[::-1], primitive)
@@ -294,4 +297,3 @@ def dispatch(primitive: jc.Primitive, values: Sequence[Any], params: dict[str, A
         if out is not NotImplemented:
             return out, method
     return resolution.default(primitive, values, params), None
-

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from . import _jax_compat as jc
-from ._diagnostics import QuaxlikeError, messages
+from ._diagnostics import messages, QuaxlikeError
 from ._rules import dispatch
-from ._values import Value, checked_aval
+from ._values import checked_aval, Value
 
 
 class QuaxTracer(jc.Tracer):
@@ -116,11 +116,19 @@ class QuaxTrace(jc.Trace):
     ):
         if not any(self.owns(t) for t in tracers):
             return self.parent_trace.process_custom_vjp_call(
-                primitive, fun, fwd, bwd, tracers, out_trees=out_trees, symbolic_zeros=symbolic_zeros
+                primitive,
+                fun,
+                fwd,
+                bwd,
+                tracers,
+                out_trees=out_trees,
+                symbolic_zeros=symbolic_zeros,
             )
         from ._higher_order._custom_ad import custom_vjp_with_values
 
-        return custom_vjp_with_values(self, primitive, fun, fwd, bwd, tracers, out_trees, symbolic_zeros)
+        return custom_vjp_with_values(
+            self, primitive, fun, fwd, bwd, tracers, out_trees, symbolic_zeros
+        )
 
     def process_shard_map(self, primitive, fun, args, **params):
         if not any(self.owns(t) for t in args):

@@ -10,7 +10,7 @@ import numpy as np
 from jaxtyping import ArrayLike
 
 from . import _jax_compat as jc
-from ._diagnostics import MaterialisationError, QuaxlikeError, messages
+from ._diagnostics import MaterialisationError, messages, QuaxlikeError
 
 
 class Value(eqx.Module):
@@ -129,7 +129,9 @@ def checked_aval(value: Value) -> jc.AbstractValue:
     aval = value.aval()
     if not isinstance(aval, jc.AbstractValue):
         raise QuaxlikeError(
-            messages.BAD_AVAL.format(type_name=type(value).__qualname__, got=type(aval).__qualname__)
+            messages.BAD_AVAL.format(
+                type_name=type(value).__qualname__, got=type(aval).__qualname__
+            )
         )
     return aval
 

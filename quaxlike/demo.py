@@ -41,9 +41,11 @@ def main(steps: int = 150, rank: int = 4, width: int = 64) -> None:
     # The teacher is the student plus a rank-2 change of every weight matrix.
     teacher = loraify(student, rank=2, scale=0.3, key=key_teacher)
     teacher = jax.tree_util.tree_map(
-        lambda x: x.with_factors(x.w, x.a, 0.3 * jr.normal(key_teacher, x.b.shape))
-        if isinstance(x, LoraArray)
-        else x,
+        lambda x: (
+            x.with_factors(x.w, x.a, 0.3 * jr.normal(key_teacher, x.b.shape))
+            if isinstance(x, LoraArray)
+            else x
+        ),
         teacher,
         is_leaf=lambda x: isinstance(x, LoraArray),
     )
@@ -82,9 +84,17 @@ def main(steps: int = 150, rank: int = 4, width: int = 64) -> None:
     # No dense W + AB: LoraArray refuses to materialise (allow_materialise=False),
     # and the traced training step contains no product of the two factors.
     model = eqx.combine(trainable, frozen)
-    loras = [x for x in jax.tree_util.tree_leaves(model, is_leaf=lambda x: isinstance(x, LoraArray)) if isinstance(x, LoraArray)]
+    loras = [
+        x
+        for x in jax.tree_util.tree_leaves(model, is_leaf=lambda x: isinstance(x, LoraArray))
+        if isinstance(x, LoraArray)
+    ]
     shapes = {tuple(x.w.shape) for x in loras}
-    jaxpr = jax.make_jaxpr(lambda t: jax.grad(lambda t: jnp.sum(jax.vmap(quaxlike.quaxify(eqx.combine(t, frozen)))(xs)))(t))(trainable)
+    jaxpr = jax.make_jaxpr(
+        lambda t: jax.grad(
+            lambda t: jnp.sum(jax.vmap(quaxlike.quaxify(eqx.combine(t, frozen)))(xs))
+        )(t)
+    )(trainable)
     products = _dense_lora_products(jaxpr.jaxpr, shapes, rank)
     print(f"dense W + AB products in the traced training step: {products}")
     assert products == 0

@@ -2,10 +2,8 @@ import jax
 import pytest
 
 
-# Every test runs with JAX's tracer-leak checker on, and with strict dtype
-# promotion so that silent up-casts show up as errors.
+# Every test runs with JAX's tracer-leak checker on (JAX_CHECK_TRACER_LEAKS=1).
 jax.config.update("jax_check_tracer_leaks", True)
-jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
 def pytest_addoption(parser):

@@ -8,7 +8,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import ArrayLike
 
-from .._values import Value, materialise_value
+from .._values import materialise_value, Value
 
 
 AnyValue = ArrayLike | Value
@@ -44,7 +44,8 @@ def type_signature(x: Any):
     structure (including static fields) and the avals of the array leaves."""
     leaves, treedef = jtu.tree_flatten(x)
     return treedef, tuple(
-        jax.typeof(leaf).str_short() if eqx.is_array(leaf) else (type(leaf), leaf) for leaf in leaves
+        jax.typeof(leaf).str_short() if eqx.is_array(leaf) else (type(leaf), leaf)
+        for leaf in leaves
     )
 
 

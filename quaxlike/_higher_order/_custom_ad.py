@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _jax_compat as jc
 from .._quaxify import quaxify
-from .._values import Value, checked_aval, materialise_value
+from .._values import checked_aval, materialise_value, Value
 
 
 def _is_inexact(x) -> bool:
@@ -76,6 +76,7 @@ def _reusable(wrapped: jc.WrappedFun, avals, *, interleave_true: bool = False):
 
     def call(*xs):
         if not cache:
+
             def flat(*ys):
                 if interleave_true:
                     ys = [z for y in ys for z in (y, True)]
@@ -206,4 +207,6 @@ def _leaf_cotangents(inputs: "_Flattened", in_leaves, in_cts):
             lambda *ls: materialise_value(single.rebuild(ls)[0]), *in_leaves[start:stop]
         )
         out[start:stop] = pullback(dense_ct)
-    return [ct if ct is not None and _is_inexact(leaf) else None for ct, leaf in zip(out, in_leaves)]
+    return [
+        ct if ct is not None and _is_inexact(leaf) else None for ct, leaf in zip(out, in_leaves)
+    ]

@@ -7,10 +7,10 @@ import jax.tree_util as jtu
 from jax import lax
 
 from .. import _jax_compat as jc
-from .._diagnostics import QuaxlikeError, messages
+from .._diagnostics import messages, QuaxlikeError
 from .._quaxify import quaxify
 from .._rules import register
-from .._values import Value, checked_aval
+from .._values import checked_aval, Value
 from ._common import AnyValue, describe_type, to_dense, type_signature
 
 
@@ -133,7 +133,11 @@ def _stacks_by_leaves(value: Value, length: int) -> bool:
         return False
     stacked = _aval_of_leaves(value, [(length, *leaf.shape) for leaf in leaves])
     step = checked_aval(value)
-    return stacked is not None and stacked.shape == (length, *step.shape) and stacked.dtype == step.dtype
+    return (
+        stacked is not None
+        and stacked.shape == (length, *step.shape)
+        and stacked.dtype == step.dtype
+    )
 
 
 @register(jc.scan_p)
@@ -164,7 +168,9 @@ def scan_p_values(
             carry_out = _densify(out[:num_carry], dense, jc.scan_p)
             _record(record, "carry_out", carry_out)
             ys = [
-                to_dense(y, jc.scan_p) if isinstance(y, Value) and not _stacks_by_leaves(y, length) else y
+                to_dense(y, jc.scan_p)
+                if isinstance(y, Value) and not _stacks_by_leaves(y, length)
+                else y
                 for y in out[num_carry:]
             ]
             return carry_out, ys

@@ -4,7 +4,7 @@ from typing import Any
 import jax
 
 from .. import _jax_compat as jc
-from .._values import Value, checked_aval
+from .._values import checked_aval, Value
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:

@@ -1,4 +1,9 @@
 """Low-rank adaptation: `LoraArray` stands for `W + A @ B` without building it."""
 
-from ._value import LoraArray as LoraArray, loraify as loraify, merge as merge, trainable_filter as trainable_filter
 from . import _rules  # noqa: F401  (registers LoraArray's rules)
+from ._value import (
+    LoraArray as LoraArray,
+    loraify as loraify,
+    merge as merge,
+    trainable_filter as trainable_filter,
+)

@@ -2,7 +2,6 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
