@@ -54,6 +54,12 @@ class _Flattened:
         except Exception:
             return False
 
+    def take_leaves(self) -> list:
+        """Hand the leaves over and forget them, so that this object (kept alive by
+        JAX in the closures of custom rules) holds no tracers."""
+        leaves, self.leaves = self.leaves, []
+        return leaves
+
     def rebuild(self, leaves):
         return eqx.combine(jtu.tree_unflatten(self.treedef, list(leaves)), self.static)
 
@@ -107,7 +113,7 @@ def custom_jvp_with_values(trace, primitive, fun, jvp, tracers, symbolic_zeros):
     def primal_leaves(*leaves):
         out = _Flattened(quaxify(primal_dense)(*inputs.rebuild(leaves)))
         outputs[:] = [out]
-        return out.leaves
+        return out.take_leaves()
 
     structured = not symbolic_zeros and all(
         getattr(type(v), "structured_tangents", True) for v in values if isinstance(v, Value)
@@ -128,16 +134,17 @@ def custom_jvp_with_values(trace, primitive, fun, jvp, tracers, symbolic_zeros):
             primal_out, tangent_out = _Flattened(outs[:n]), _Flattened(outs[n:])
             if primal_out.same_structure(tangent_out):
                 outputs[:] = [primal_out]
+                p_leaves, t_leaves = primal_out.take_leaves(), tangent_out.take_leaves()
                 tangent_leaves = [
-                    t if _is_inexact(p) else _tangent_zeros_like(p)
-                    for p, t in zip(primal_out.leaves, tangent_out.leaves)
+                    t if _is_inexact(p) else _tangent_zeros_like(p) for p, t in zip(p_leaves, t_leaves)
                 ]
-                return primal_out.leaves, tangent_leaves
+                return p_leaves, tangent_leaves
         # Differentiate the primal computation itself.
         return jax.jvp(primal_leaves, tuple(primals), tuple(tangents))
 
+    in_leaves = inputs.take_leaves()
     with jc.set_current_trace(trace.parent_trace):
-        out_leaves = leaf_function(*inputs.leaves)
+        out_leaves = leaf_function(*in_leaves)
     return _lift_outputs(trace, outputs[0].rebuild(out_leaves))
 
 
@@ -156,7 +163,7 @@ def custom_vjp_with_values(trace, primitive, fun, fwd, bwd, tracers, out_trees, 
     def leaf_function(*leaves):
         out = _Flattened(quaxify(primal_dense)(*inputs.rebuild(leaves)))
         outputs[:] = [out]
-        return out.leaves
+        return out.take_leaves()
 
     def leaf_fwd(*leaves):
         in_values = inputs.rebuild(leaves)
@@ -169,7 +176,8 @@ def custom_vjp_with_values(trace, primitive, fun, fwd, bwd, tracers, out_trees, 
         outputs[:] = [out]
         res_dynamic, static = eqx.partition(residuals, eqx.is_array)
         residual_static[:] = [static]
-        return out.leaves, (res_dynamic, list(leaves), out.leaves)
+        out_leaves = out.take_leaves()
+        return out_leaves, (res_dynamic, list(leaves), out_leaves)
 
     def leaf_bwd(saved, out_cts):
         res_dynamic, in_leaves, out_leaves = saved
@@ -180,8 +188,9 @@ def custom_vjp_with_values(trace, primitive, fun, fwd, bwd, tracers, out_trees, 
         return tuple(_leaf_cotangents(inputs, in_leaves, in_cts))
 
     leaf_function.defvjp(leaf_fwd, leaf_bwd)
+    in_leaves = inputs.take_leaves()
     with jc.set_current_trace(trace.parent_trace):
-        out_leaves = leaf_function(*inputs.leaves)
+        out_leaves = leaf_function(*in_leaves)
     return _lift_outputs(trace, outputs[0].rebuild(out_leaves))
 
 
