@@ -105,20 +105,10 @@ class messages:
         "`quaxlike.quaxify(fn)` (the default `filter_spec=True` lifts every Value), or "
         "widen the `filter_spec` to include this {type_name}."
     )
-    BAD_OPERAND = (
-        "Primitive `{primitive}` received an operand of type {type_name} at position "
-        "{position}, which is neither an array nor a `quaxlike.Value`. Pass arrays or "
-        "Values; Python containers must be split into their leaves first."
-    )
     CARRY_TYPE_CHANGED = (
         "In `{primitive}`, loop carry {index} enters as {before} but the loop body "
         "returns {after}. quaxlike materialised it to a dense array and retraced, but "
         "the types still disagree. Make the body return the same type it receives, "
         "for example by materialising the carry before the loop "
         "(`carry.materialise()`), or register a `{primitive}` rule for your type."
-    )
-    SCAN_VALUE_NOT_SLICEABLE = (
-        "`scan` over a `{type_name}` in `xs`: slicing its leaves along the leading "
-        "axis does not give a `{type_name}` of shape {expected}; quaxlike will "
-        "materialise it."
     )

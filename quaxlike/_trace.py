@@ -7,7 +7,6 @@ wraps any Values in the result again. Plain arrays leave the interpreter at once
 only Values ever become tracers of this trace.
 """
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -151,6 +150,3 @@ def _rule_name(rule) -> str:
     implementation = getattr(rule, "implementation", rule)
     return getattr(implementation, "__qualname__", repr(implementation))
 
-
-def lift_all(trace: QuaxTrace, leaves: Sequence[Any]) -> list[Any]:
-    return [trace.lift(x) if isinstance(x, Value) else x for x in leaves]

@@ -23,3 +23,11 @@ def pytest_collection_modifyitems(config, items):
 def getkey():
     keys = iter(jax.random.split(jax.random.key(0), 1000))
     return lambda: next(keys)
+
+
+@pytest.fixture
+def getseed():
+    # NumPy seeds rather than JAX keys: splitting and unstacking keys compiles a
+    # program per shape, which would dominate the run time of small tests.
+    seeds = iter(range(1000))
+    return lambda: next(seeds)

@@ -56,3 +56,9 @@ class PassThrough(quaxlike.ArrayValue):
         if primitive.multiple_results:
             return [PassThrough(o) for o in out]
         return PassThrough(out)
+
+
+def randn(seed, shape, scale=1.0):
+    """A float32 array of standard normals from a NumPy seed."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(scale * rng.standard_normal(shape), dtype=jnp.float32)

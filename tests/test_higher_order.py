@@ -8,13 +8,12 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from helpers import PassThrough, randn, tree_allclose
 from jax import lax
 
 import quaxlike
 from quaxlike.examples.lora import LoraArray
 from quaxlike.examples.zero import Zero
-
-from helpers import PassThrough, tree_allclose
 
 
 # --- helpers -------------------------------------------------------------------
@@ -24,15 +23,8 @@ from helpers import PassThrough, tree_allclose
 _KEY = jr.key(0)
 
 
-@pytest.fixture
-def getseed():
-    seeds = iter(range(1000))
-    return lambda: next(seeds)
 
 
-def randn(seed, shape, scale=1.0):
-    rng = np.random.default_rng(seed)
-    return jnp.asarray(scale * rng.standard_normal(shape), dtype=jnp.float32)
 
 
 def make_lora(seed, shape=(4, 3), rank=2, *, allow_materialise=False):

@@ -8,13 +8,12 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
+from helpers import tree_allclose
 
 import quaxlike
 import quaxlike.demo
 from quaxlike.examples.lora import LoraArray, loraify, merge, trainable_filter
 from quaxlike.examples.zero import Zero
-
-from helpers import tree_allclose
 
 
 def is_lora(x):

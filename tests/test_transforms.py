@@ -6,14 +6,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import numpy as np
 import pytest
+from helpers import randn, tree_allclose
 
 import quaxlike
 from quaxlike.examples.lora import LoraArray
 from quaxlike.examples.zero import Zero
-
-from helpers import tree_allclose
 
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -22,17 +20,8 @@ RTOL, ATOL = 1e-4, 1e-5
 _KEY = jr.key(0)
 
 
-@pytest.fixture
-def getseed():
-    # NumPy seeds rather than JAX keys: splitting and unstacking keys compiles a
-    # program per shape, which would dominate the run time of these small tests.
-    seeds = iter(range(1000))
-    return lambda: next(seeds)
 
 
-def randn(seed, shape, scale=1.0):
-    rng = np.random.default_rng(seed)
-    return jnp.asarray(scale * rng.standard_normal(shape), dtype=jnp.float32)
 
 
 def make_lora(seed, shape=(4, 3), rank=2, *, allow_materialise=False, stop_gradient=True):

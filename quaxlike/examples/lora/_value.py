@@ -145,14 +145,13 @@ def trainable_filter(model: PyTree) -> PyTree[bool]:
     """A filter spec selecting only the LoRA factors `a` and `b` of `model`, for
     `eqx.partition(model, trainable_filter(model))`."""
     is_lora = lambda x: isinstance(x, LoraArray)  # noqa: E731
-    spec = jtu.tree_map(lambda _: False, model, is_leaf=is_lora)
 
     def mark(x):
         if is_lora(x):
             return LoraArray.with_factors(x, False, True, True)
         return False
 
-    return jtu.tree_map(mark, model, is_leaf=is_lora) if spec is not None else spec
+    return jtu.tree_map(mark, model, is_leaf=is_lora)
 
 
 def merge(model: PyTree) -> PyTree:
