@@ -1,5 +1,12 @@
+import os
+import sys
+
 import jax
 import pytest
+
+
+# Test files in subfolders (tests/examples, tests/conformance) import `helpers`.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 # Every test runs with JAX's tracer-leak checker on (JAX_CHECK_TRACER_LEAKS=1).
