@@ -10,7 +10,14 @@ this module relies on.
 import jax
 import jax.extend.core as jex_core
 from jax import lax
-from jax._src import core as _core, linear_util as _lu
+from jax._src import (
+    config as _config,
+    core as _core,
+    linear_util as _lu,
+    pjit as _pjit,
+    shard_map as _shard_map,
+    tree_util as _tree_util,
+)
 
 
 # --- the trace API -----------------------------------------------------------
@@ -65,6 +72,12 @@ scan_p = lax.scan_p
 remat_p = _prims.remat_p
 custom_jvp_call_p = _prims.custom_jvp_call_p
 custom_vjp_call_p = _prims.custom_vjp_call_p
+shard_map_p = _shard_map.shard_map_p
+pvary_p = _core.pvary_p
+sharding_constraint_p = _pjit.sharding_constraint_p
+
+# `shard_map` bodies return, and its hook returns, this flat container.
+FlatTree = _tree_util.FlatTree
 
 
 def lax_primitive_by_name(name: str):
@@ -99,3 +112,34 @@ def check_no_leaks(trace) -> None:
     leaked = _core.maybe_find_leaked_tracers(trace)
     if leaked:
         raise _core.leaked_tracer_error("trace", trace, leaked)
+
+
+# --- shard_map bodies --------------------------------------------------------
+
+
+def with_varying_axes_of(aval, leaves):
+    """Inside a `shard_map` body with `check_vma=True`, JAX tracks over which
+    manual mesh axes each array varies (`float32[2]{V:x}`) and inserts `pvary`
+    where an operation mixes varying and invariant operands. A Value's `aval()`
+    knows nothing of that, so give it the union of its array leaves' varying
+    axes; otherwise user code would skip the `pvary` and the rule's own
+    operations would fail JAX's check. Outside such a body: `aval` unchanged.
+    """
+    if not _config._check_vma.value or not isinstance(aval, ShapedArray):
+        return aval
+    varying = frozenset()
+    for leaf in leaves:
+        leaf_aval = getattr(leaf, "aval", None) if isinstance(leaf, Tracer) else None
+        if isinstance(leaf_aval, ShapedArray):
+            varying |= leaf_aval.mat.varying
+    if not varying or varying == aval.mat.varying:
+        return aval
+    sharding = jax.sharding.NamedSharding(
+        jax.sharding.get_abstract_mesh(), jax.sharding.PartitionSpec(*[None] * aval.ndim)
+    )
+    return aval.update(sharding=sharding, manual_axis_type=_core.ManualAxisType(varying=varying))
+
+
+def tracking_varying_axes() -> bool:
+    """Whether JAX is checking varying manual axes (inside a `shard_map` body)."""
+    return bool(_config._check_vma.value)

@@ -75,6 +75,22 @@ def _call_in_trace(trace: QuaxTrace, leaves, treedef, static):
     return jtu.tree_unflatten(out_treedef, [trace.unwrap(x) for x in out_leaves])
 
 
+def call_lifted(leaves, treedef, static, adopts: tuple[QuaxTrace, ...] = ()):
+    """Run `(fn, args, kwargs)`, given as flattened `leaves`, in a new `QuaxTrace`
+    that lifts the Values among them (and takes over the tracers of the traces in
+    `adopts`: see `QuaxTrace`)."""
+    with jc.take_current_trace() as parent:
+        trace = QuaxTrace(parent, adopts)
+        try:
+            with jc.set_current_trace(trace):
+                out = _call_in_trace(trace, leaves, treedef, static)
+        finally:
+            trace.invalidate()
+        if jc.check_leaks_enabled():
+            jc.check_no_leaks(trace)
+    return out
+
+
 class Quaxify(eqx.Module, Generic[_Return]):
     """The wrapper `quaxify` returns. An Equinox Module, so it is a PyTree whose
     leaves are those of the wrapped function."""
@@ -101,16 +117,7 @@ class Quaxify(eqx.Module, Generic[_Return]):
             raise unlifted from error
 
     def _call_lifted(self, leaves, treedef, static):
-        with jc.take_current_trace() as parent:
-            trace = QuaxTrace(parent)
-            try:
-                with jc.set_current_trace(trace):
-                    out = _call_in_trace(trace, leaves, treedef, static)
-            finally:
-                trace.invalidate()
-            if jc.check_leaks_enabled():
-                jc.check_no_leaks(trace)
-        return out
+        return call_lifted(leaves, treedef, static)
 
     def __get__(self, instance, owner=None):
         if instance is None:

@@ -22,7 +22,10 @@ class QuaxTracer(jc.Tracer):
     __slots__ = ("value",)
 
     def __init__(self, trace: "QuaxTrace", value: Value):
-        super().__init__(trace, checked_aval(value))
+        aval = checked_aval(value)
+        if jc.tracking_varying_axes():
+            aval = jc.with_varying_axes_of(aval, jax.tree_util.tree_leaves(value))
+        super().__init__(trace, aval)
         self.value = value
 
     def full_lower(self):
@@ -34,11 +37,26 @@ class QuaxTracer(jc.Tracer):
 
 class QuaxTrace(jc.Trace):
     """One `quaxify` call's trace. Its parent is whatever trace was current when
-    the call began (another `QuaxTrace`, a jit/grad/vmap trace, or eager)."""
+    the call began (another `QuaxTrace`, a jit/grad/vmap trace, or eager).
 
-    def __init__(self, parent_trace):
+    `adopts` lists enclosing QuaxTraces whose tracers this one takes over as its
+    own when they reach it. Only the body of a `shard_map` needs that: the body
+    runs under JAX's own trace, between this trace and the one that lifted a
+    Value the body closes over.
+    """
+
+    def __init__(self, parent_trace, adopts: tuple["QuaxTrace", ...] = ()):
         super().__init__()
         self.parent_trace = parent_trace
+        self.adopts = adopts
+
+    def _adopt(self, tracers):
+        return [
+            QuaxTracer(self, t.value)
+            if type(t) is QuaxTracer and any(t._trace is outer for outer in self.adopts)
+            else t
+            for t in tracers
+        ]
 
     # --- moving between Values and tracers -----------------------------------
 
@@ -69,6 +87,8 @@ class QuaxTrace(jc.Trace):
     # --- the hooks JAX calls -------------------------------------------------
 
     def process_primitive(self, primitive, tracers, params):
+        if self.adopts:
+            tracers = self._adopt(tracers)
         if not any(type(t) is QuaxTracer and t._trace is self for t in tracers):
             # No Value involved: hand the operation straight to the parent trace.
             return primitive.bind_with_trace(
@@ -94,6 +114,8 @@ class QuaxTrace(jc.Trace):
         return self._wrap_output(out, primitive, rule)
 
     def process_call(self, call_primitive, f, tracers, params):
+        if self.adopts:
+            tracers = self._adopt(tracers)
         if not any(self.owns(t) for t in tracers):
             with jc.set_current_trace(self.parent_trace):
                 return call_primitive.bind(f, *tracers, **params)
@@ -102,6 +124,8 @@ class QuaxTrace(jc.Trace):
             return f.call_wrapped(*tracers)
 
     def process_custom_jvp_call(self, primitive, fun, jvp, tracers, *, symbolic_zeros):
+        if self.adopts:
+            tracers = self._adopt(tracers)
         if not any(self.owns(t) for t in tracers):
             return self.parent_trace.process_custom_jvp_call(
                 primitive, fun, jvp, tracers, symbolic_zeros=symbolic_zeros
@@ -113,6 +137,8 @@ class QuaxTrace(jc.Trace):
     def process_custom_vjp_call(
         self, primitive, fun, fwd, bwd, tracers, *, out_trees, symbolic_zeros
     ):
+        if self.adopts:
+            tracers = self._adopt(tracers)
         if not any(self.owns(t) for t in tracers):
             return self.parent_trace.process_custom_vjp_call(
                 primitive,
@@ -130,13 +156,21 @@ class QuaxTrace(jc.Trace):
         )
 
     def process_shard_map(self, primitive, fun, args, **params):
-        if not any(self.owns(t) for t in args):
-            return self.parent_trace.process_shard_map(primitive, fun, args, **params)
-        raise NotImplementedError(
-            "quaxlike: `shard_map` with Values among its inputs is not supported yet. "
-            "Materialise the Values before the `shard_map`, or call `quaxify` inside "
-            "the mapped function instead of around it."
-        )
+        if self.adopts:
+            args = self._adopt(args)
+        values = [self.unwrap(t) for t in args]
+        with jc.set_current_trace(self.parent_trace):
+            if not any(self.owns(t) for t in args):
+                # Handled here even with no Value among the arguments: the mapped
+                # function may close over Values of this trace.
+                from ._higher_order._sharding import shard_map_p_values
+
+                out, rule = shard_map_p_values(*values, fun=fun, outer_trace=self, **params), None
+            else:
+                # Dispatched like any primitive, so a type may register its own
+                # rule for `shard_map_p`; the mapped function is the `fun` param.
+                out, rule = dispatch(primitive, values, dict(params, fun=fun, outer_trace=self))
+        return out.map(lambda x: self._wrap_output(x, primitive, rule))
 
     def stage_value(self, val):
         if self.owns(val):
@@ -149,4 +183,3 @@ def _rule_name(rule) -> str:
         return "default"
     implementation = getattr(rule, "implementation", rule)
     return getattr(implementation, "__qualname__", repr(implementation))
-

@@ -1,4 +1,4 @@
-"""Rules for higher-order primitives (jit, cond, while, scan, checkpoint) and the
+"""Rules for higher-order primitives (jit, cond, while, scan, checkpoint, shard_map) and the
 custom-derivative hooks.
 
 These rules are ordinary registrations, annotated with the broadest types
@@ -6,4 +6,4 @@ These rules are ordinary registrations, annotated with the broadest types
 more specific and wins by normal dispatch. Imported for its side effects.
 """
 
-from . import _cond, _jit, _loops, _remat  # noqa: F401
+from . import _cond, _jit, _loops, _remat, _sharding  # noqa: F401

@@ -1,0 +1,257 @@
+"""`shard_map` over Values.
+
+A Value going into `shard_map` comes with the `PartitionSpec` the user wrote for
+the array it stands for. What that means for its leaves depends on the type, so
+the rule works it out per leaf: a leaf axis is split like the Value's axis at the
+same position when the two have the same size, and replicated otherwise. (For a
+LoRA weight `W + A @ B` sharded along its rows, `W` and `A` are split by rows
+and `B` is replicated, which is exactly right.)
+
+The guess is then checked: a Value built from leaves of the per-device shapes
+must report, through `aval()`, the per-device shape of the array it stands for.
+Types with static shapes (a symbolic zero) or unrelated leaf shapes (sparse data
+and indices) fail the check, and are materialised before the `shard_map`, which
+is always correct. A type can take over by defining a method
+`shard_map_leaf_specs(spec)` returning a PyTree of specs shaped like itself, or
+`None` to be materialised, or by registering its own rule for `shard_map_p`.
+
+The mapped function runs under a fresh `quaxify` inside the `shard_map` body, so
+the rules see per-device Values. Outputs are treated the same way in reverse.
+"""
+
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jax.sharding import PartitionSpec
+
+from .. import _jax_compat as jc
+from .._quaxify import call_lifted
+from .._rules import register
+from .._values import is_value, materialise_value, Value
+from ._common import AnyValue
+
+
+def _axis_factor(mesh, entry) -> int:
+    if entry is None:
+        return 1
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh.shape[name] for name in names)
+
+
+def _spec_entries(spec, ndim: int) -> tuple:
+    entries = tuple(spec) if spec is not None else ()
+    return entries + (None,) * (ndim - len(entries))
+
+
+def _guess_leaf_specs(value: Value, spec, shape: tuple[int, ...], inside: bool) -> list | None:
+    """Split a leaf axis like the Value's axis at the same position when their
+    sizes agree, else replicate it. For per-device leaves (`inside`), JAX's
+    record of which mesh axes each leaf varies over settles coincidences of
+    size; without that record (`check_vma=False`) a leaf whose shape differs
+    from the Value's and still matches a split axis is ambiguous: `None`."""
+    entries = _spec_entries(spec, len(shape))
+    tracking = inside and jc.tracking_varying_axes()
+    specs = []
+    for leaf in jtu.tree_leaves(value):
+        aval = jax.typeof(leaf)
+        varying = aval.mat.varying if tracking else None
+        if aval.ndim != len(shape):
+            if varying:
+                return None
+            specs.append(PartitionSpec())
+            continue
+        leaf_entries = []
+        for entry, size, value_size in zip(entries, aval.shape, shape):
+            names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+            split = entry is not None and size == value_size
+            if split and tracking:
+                split = set(names) <= varying
+            elif split and inside and tuple(aval.shape) != tuple(shape):
+                return None
+            leaf_entries.append(entry if split else None)
+        if tracking:
+            used = {
+                n
+                for e in leaf_entries
+                if e is not None
+                for n in (e if isinstance(e, tuple) else (e,))
+            }
+            if not varying <= used:
+                return None  # varies over an axis no leaf axis can carry
+        while leaf_entries and leaf_entries[-1] is None:
+            leaf_entries.pop()  # P("x") rather than P("x", None), as JAX writes it
+        specs.append(PartitionSpec(*leaf_entries))
+    return specs
+
+
+def _rescaled(value: Value, leaf_specs, mesh, divide: bool):
+    """`value` with each leaf replaced by a `ShapeDtypeStruct` of its per-device
+    (`divide=True`) or global (`divide=False`) shape under `leaf_specs`."""
+    leaves, treedef = jtu.tree_flatten(value)
+    structs = []
+    for leaf, spec in zip(leaves, leaf_specs):
+        aval = jax.typeof(leaf)
+        factors = [_axis_factor(mesh, e) for e in _spec_entries(spec, aval.ndim)]
+        if divide:
+            if any(size % f for size, f in zip(aval.shape, factors)):
+                return None
+            shape = tuple(size // f for size, f in zip(aval.shape, factors))
+        else:
+            shape = tuple(size * f for size, f in zip(aval.shape, factors))
+        structs.append(jax.ShapeDtypeStruct(shape, aval.dtype))
+    return jtu.tree_unflatten(treedef, structs)
+
+
+def _leaf_specs(value: Value, spec, mesh, *, inside: bool) -> list | None:
+    """Per-leaf specs for `value` with `spec`, or `None` if the Value must be
+    materialised instead. `inside` says whether `value` holds per-device leaves
+    (an output of the body) rather than global ones (an input)."""
+    shape = tuple(value.aval().shape)
+    factors = [_axis_factor(mesh, e) for e in _spec_entries(spec, len(shape))]
+    if inside:
+        local_shape = shape
+        other_shape = tuple(size * f for size, f in zip(shape, factors))
+    else:
+        if any(size % f for size, f in zip(shape, factors)):
+            return None
+        local_shape = tuple(size // f for size, f in zip(shape, factors))
+        other_shape = local_shape
+    custom = getattr(value, "shard_map_leaf_specs", None)
+    if custom is not None:
+        specs = custom(spec)
+        if specs is None:
+            return None
+        specs = jtu.tree_leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    else:
+        specs = _guess_leaf_specs(value, spec, shape, inside)
+        if specs is None:
+            return None
+    rescaled = _rescaled(value, specs, mesh, divide=not inside)
+    if rescaled is None:
+        return None
+    try:
+        check_shape = tuple(rescaled.aval().shape)
+    except Exception:  # an aval() that cannot run on shape structs: be safe
+        return None
+    return specs if check_shape == other_shape else None
+
+
+class _Layout:
+    """How a flat list of arguments maps onto Values and arrays."""
+
+    def __init__(self):
+        self.entries = []  # (treedef or None, number of flat leaves)
+
+    def add(self, x: Any, spec, leaf_specs: list | None, flat: list, flat_specs: list):
+        if leaf_specs is None:
+            self.entries.append((None, 1))
+            flat.append(x)
+            flat_specs.append(spec)
+            return
+        leaves, treedef = jtu.tree_flatten(x)
+        self.entries.append((treedef, len(leaves)))
+        flat.extend(leaves)
+        flat_specs.extend(leaf_specs)
+
+    def rebuild(self, flat) -> list:
+        out, i = [], 0
+        for treedef, n in self.entries:
+            if treedef is None:
+                out.append(flat[i])
+            else:
+                out.append(jtu.tree_unflatten(treedef, flat[i : i + n]))
+            i += n
+        return out
+
+
+def _split(values, specs, mesh, *, inside: bool):
+    layout, flat, flat_specs = _Layout(), [], []
+    for x, spec in zip(values, specs):
+        leaf_specs = None
+        if isinstance(x, Value):
+            leaf_specs = _leaf_specs(x, spec, mesh, inside=inside)
+            if leaf_specs is None:
+                x = materialise_value(x, jc.shard_map_p)
+        layout.add(x, spec, leaf_specs, flat, flat_specs)
+    return layout, flat, tuple(flat_specs)
+
+
+@register(jc.shard_map_p)
+def shard_map_p_values(
+    *args: AnyValue, fun, mesh, in_specs, debug_info, outer_trace=None, **params
+):
+    """The built-in rule for `shard_map`. Its params are JAX's, plus `fun` (the
+    mapped function, taking and returning flat values) and `outer_trace` (the
+    `QuaxTrace` the `shard_map` was applied in, whose Values the body may close
+    over)."""
+    in_layout, flat_in, flat_in_specs = _split(args, in_specs, mesh, inside=False)
+    found = {}
+
+    def run_user_fun(*inner_args):
+        out_tree = fun(*inner_args)
+        outs, out_specs = out_tree.unpack_aux()
+        # Keep the output structure only: its values are this trace's tracers.
+        found["template"] = outs.map(lambda _: None)
+        found["out_specs"] = out_specs
+        return list(outs.vals)
+
+    adopts = () if outer_trace is None else (outer_trace, *outer_trace.adopts)
+
+    def body(*flat_local):
+        inner_args = in_layout.rebuild(list(flat_local))
+        leaves, treedef = jtu.tree_flatten((run_user_fun, inner_args, {}), is_leaf=is_value)
+        outs = call_lifted(leaves, treedef, None, adopts)
+        out_layout, flat_out, flat_out_specs = _split(outs, found["out_specs"], mesh, inside=True)
+        found["out_layout"] = out_layout
+        return jc.FlatTree.flatten(flat_out).with_aux(flat_out_specs)
+
+    if len(flat_in) != len(args):
+        debug_info = debug_info.with_unknown_names()
+    flat_result = jc.shard_map_p.bind(
+        *flat_in,
+        subfuns=(body,),
+        mesh=mesh,
+        in_specs=flat_in_specs,
+        debug_info=debug_info,
+        **params,
+    )
+    outs = found["out_layout"].rebuild(list(flat_result.vals))
+    return found["template"].update(outs)
+
+
+@register(jc.pvary_p)
+def pvary_p_value(x: Value, *, axes, **params):
+    """Inside a `shard_map` body, JAX marks an invariant operand as varying
+    (`pvary`) before mixing it with varying ones. That changes no numbers, so a
+    Value is marked leaf by leaf and keeps its type."""
+
+    def mark(leaf):
+        if not eqx.is_array(leaf):
+            return leaf
+        missing = tuple(a for a in axes if a not in jax.typeof(leaf).mat.varying)
+        return jc.pvary_p.bind(leaf, axes=missing, **params) if missing else leaf
+
+    return jtu.tree_map(mark, x)
+
+
+@register(jc.sharding_constraint_p)
+def sharding_constraint_p_value(x: Value, *, sharding, **params):
+    """`lax.with_sharding_constraint` on a Value: each leaf is constrained with
+    the spec worked out as for `shard_map` inputs; a Value whose leaves do not
+    follow its axes is materialised (by the default) instead."""
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    if spec is None or mesh is None:
+        return NotImplemented
+    leaf_specs = _leaf_specs(x, spec, mesh, inside=False)
+    if leaf_specs is None:
+        return NotImplemented
+    leaves, treedef = jtu.tree_flatten(x)
+    constrained = [
+        jax.lax.with_sharding_constraint(leaf, sharding.update(spec=leaf_spec))
+        for leaf, leaf_spec in zip(leaves, leaf_specs)
+    ]
+    return jtu.tree_unflatten(treedef, constrained)

@@ -1,0 +1,38 @@
+"""Runs the multi-device tests in `tests/multidevice/` in a subprocess with 8
+virtual CPU devices: `XLA_FLAGS` only takes effect before JAX starts, and this
+process has started it with one device."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_multidevice_suite():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            os.path.join(HERE, "multidevice"),
+        ],
+        cwd=os.path.dirname(HERE),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    if result.returncode != 0:
+        pytest.fail(f"multi-device tests failed:\n{result.stdout[-8000:]}\n{result.stderr[-4000:]}")
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
