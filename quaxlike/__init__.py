@@ -8,6 +8,8 @@ from ._diagnostics import (
     MaterialisationError as MaterialisationError,
     QuaxlikeError as QuaxlikeError,
 )
+from ._explain import explain as explain, Report as Report
+from ._policy import materialise_policy as materialise_policy
 from ._quaxify import quaxify as quaxify
 from ._rules import register as register, rules_for as rules_for
 from ._values import ArrayValue as ArrayValue, DenseArrayValue as DenseArrayValue, Value as Value

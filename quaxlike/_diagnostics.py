@@ -112,3 +112,34 @@ class messages:
         "for example by materialising the carry before the loop "
         "(`carry.materialise()`), or register a `{primitive}` rule for your type."
     )
+    MATERIALISED_WARNING = (
+        "quaxlike materialised a {type_name} for primitive `{primitive}` (no rule "
+        "handles it), at {where}. Register a rule for `{primitive}` and "
+        "{type_name} to keep it structured, or silence this for the type with "
+        "`warn_on_materialise = False`."
+    )
+    MATERIALISED_UNDER_ERROR_POLICY = (
+        "Primitive `{primitive}` has no rule for a {type_name}, and "
+        "`materialise_policy('error')` forbids falling back to a dense array (at "
+        "{where}). Register a rule: `@quaxlike.register('{primitive}')` with a "
+        "positional argument annotated `{type_name}`, or allow it for this block with "
+        "`quaxlike.materialise_policy('allow')`."
+    )
+    CHECK_FAILED = (
+        "Checked mode: the rule `{rule}` ({location}) for primitive `{primitive}` "
+        "returned the wrong abstract value: {problem}.\n"
+        "  inputs:   {inputs}\n"
+        "  expected: {expected}\n"
+        "  got:      {got}\n"
+        "A rule must return what `{primitive}` would on the materialised inputs "
+        "(same shapes, dtypes, weak types and number of outputs); when it returns a "
+        "Value, that Value's `aval()` must say so."
+    )
+    VALUE_NOT_CONCRETE = (
+        "A {type_name} ({aval}) was used where JAX needs a concrete value: a shape, "
+        "an axis, an index or a Python bool/int. Inside `quaxify` every Value is "
+        "abstract, like a value traced by `jax.jit`, so its contents are not known "
+        "while the function is traced. Pass that quantity as a plain Python number "
+        "(or a static field of your type), or leave the Value out of this `quaxify` "
+        "with `filter_spec`.\nJAX said: {error}"
+    )

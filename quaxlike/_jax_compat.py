@@ -7,6 +7,9 @@ only. Checked against jax 0.10.x; see `../shared/JAX-INTERNALS.md` for the facts
 this module relies on.
 """
 
+import os
+import sys
+
 import jax
 import jax.extend.core as jex_core
 from jax import lax
@@ -16,6 +19,8 @@ from jax._src import (
     linear_util as _lu,
     pjit as _pjit,
     shard_map as _shard_map,
+    source_info_util as _source_info_util,
+    traceback_util as _traceback_util,
     tree_util as _tree_util,
 )
 
@@ -34,6 +39,7 @@ take_current_trace = jex_core.take_current_trace
 Primitive = jex_core.Primitive
 ClosedJaxpr = jex_core.ClosedJaxpr
 Jaxpr = jex_core.Jaxpr
+Literal = jex_core.Literal
 jaxpr_as_fun = jex_core.jaxpr_as_fun
 eval_jaxpr = _core.eval_jaxpr
 wrap_init = _lu.wrap_init
@@ -143,3 +149,44 @@ def with_varying_axes_of(aval, leaves):
 def tracking_varying_axes() -> bool:
     """Whether JAX is checking varying manual axes (inside a `shard_map` body)."""
     return bool(_config._check_vma.value)
+
+
+# --- pointing at user code ---------------------------------------------------
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# Treat quaxlike's own frames like JAX's: left out of JAX's filtered tracebacks,
+# and skipped when looking for "the user's line".
+_source_info_util.register_exclusion(_PACKAGE_DIR)
+_traceback_util.register_exclusion(_PACKAGE_DIR)
+api_boundary = _traceback_util.api_boundary
+
+
+class SourceLine:
+    def __init__(self, filename, lineno, function):
+        self.filename, self.lineno, self.function = filename, lineno, function
+
+    @property
+    def text(self) -> str:
+        if self.filename is None:
+            return "an unknown line"
+        return f"{self.filename}:{self.lineno} (in {self.function})"
+
+
+def _package_dir(module) -> str:
+    return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+
+
+# Libraries between the user's code and a primitive: never "the user's line".
+_NOT_USER = tuple(_package_dir(m) for m in (__import__("equinox"), __import__("plum")))
+
+
+def user_source_line() -> SourceLine:
+    """The innermost frame of the current Python stack outside JAX, quaxlike,
+    Equinox, plum and the standard library."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if _source_info_util.is_user_filename(filename) and not filename.startswith(_NOT_USER):
+            return SourceLine(filename, frame.f_lineno, frame.f_code.co_name)
+        frame = frame.f_back
+    return SourceLine(None, None, None)

@@ -8,7 +8,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from . import _jax_compat as jc
+from . import _instrument, _jax_compat as jc
 from ._diagnostics import messages, QuaxlikeError
 from ._trace import QuaxTrace
 from ._values import is_value, Value
@@ -50,6 +50,23 @@ def _unlifted_value_error(error: TypeError) -> QuaxlikeError | None:
         messages.VALUE_NOT_LIFTED.format(
             primitive=primitive, type_name=type_name, position=position
         )
+    )
+
+
+_ABSTRACT_VALUE = re.compile(r"QuaxTracer<([\w.]+): ([^>]*)>")
+
+
+def _concrete_value_error(error: TypeError) -> QuaxlikeError | None:
+    """JAX's error for a traced value used where a concrete one is needed (a
+    shape, an index, a Python `bool`), when that value is one of ours."""
+    if isinstance(error, QuaxlikeError):
+        return None
+    match = _ABSTRACT_VALUE.search(str(error))
+    if match is None:
+        return None
+    type_name, aval = match.groups()
+    return QuaxlikeError(
+        messages.VALUE_NOT_CONCRETE.format(type_name=type_name, aval=aval, error=error)
     )
 
 
@@ -97,12 +114,23 @@ class Quaxify(eqx.Module, Generic[_Return]):
 
     fn: Callable[..., _Return]
     filter_spec: PyTree = eqx.field(static=True)
+    check: bool | None = eqx.field(static=True, default=None)
 
     @property
     def __wrapped__(self) -> Callable[..., _Return]:
         return self.fn
 
+    @jc.api_boundary
     def __call__(self, *args: Any, **kwargs: Any) -> _Return:
+        if self.check is None:
+            return self._call(args, kwargs)
+        token = _instrument.checking.set(self.check)
+        try:
+            return self._call(args, kwargs)
+        finally:
+            _instrument.checking.reset(token)
+
+    def _call(self, args, kwargs):
         dynamic, static = _partition(self.fn, args, kwargs, self.filter_spec)
         leaves, treedef = jtu.tree_flatten(dynamic, is_leaf=is_value)
         try:
@@ -111,10 +139,10 @@ class Quaxify(eqx.Module, Generic[_Return]):
                 return self.fn(*args, **kwargs)
             return self._call_lifted(leaves, treedef, static)
         except TypeError as error:
-            unlifted = _unlifted_value_error(error)
-            if unlifted is None:
+            better = _unlifted_value_error(error) or _concrete_value_error(error)
+            if better is None:
                 raise
-            raise unlifted from error
+            raise better from error
 
     def _call_lifted(self, leaves, treedef, static):
         return call_lifted(leaves, treedef, static)
@@ -126,7 +154,10 @@ class Quaxify(eqx.Module, Generic[_Return]):
 
 
 def quaxify(
-    fn: Callable[..., _Return], filter_spec: PyTree[bool | Callable[[Any], bool]] = True
+    fn: Callable[..., _Return],
+    filter_spec: PyTree[bool | Callable[[Any], bool]] = True,
+    *,
+    check: bool | None = None,
 ) -> Callable[..., _Return]:
     """Make `fn` accept Values wherever it accepts arrays.
 
@@ -147,6 +178,11 @@ def quaxify(
         arguments, and may be an Equinox Module (a model) holding Values.
     - `filter_spec`: which leaves of `(fn, args, kwargs)` to lift: a bool, a
         callable `leaf -> bool`, or a PyTree prefix of those.
+    - `check`: checked mode. `True` compares every rule's outputs with the
+        primitive's own abstract evaluation (shapes, dtypes, weak types, number of
+        outputs) and raises at the first mismatch, naming the rule; `False` turns
+        that off; `None` (the default) keeps what encloses this call (the
+        environment variable `QUAXLIKE_CHECK=1` turns it on everywhere).
 
     **Returns:**
 
@@ -164,4 +200,4 @@ def quaxify(
         f(lora_weight, x)  # runs the registered `dot_general` rule for LoraArray
         ```
     """
-    return eqx.module_update_wrapper(Quaxify(fn, filter_spec))
+    return eqx.module_update_wrapper(Quaxify(fn, filter_spec, check))

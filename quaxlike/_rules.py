@@ -12,6 +12,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import jax
 import plum
 
 from . import _jax_compat as jc
@@ -275,25 +276,58 @@ def _resolve(primitive: jc.Primitive, values: tuple) -> _Resolution:
     return _Resolution(chain, default)
 
 
-def dispatch(primitive: jc.Primitive, values: Sequence[Any], params: dict[str, Any]):
+def _resolution(primitive: jc.Primitive, values: tuple) -> _Resolution:
+    key = (primitive, *map(_kind, values))
+    try:
+        return _resolution_cache[key]
+    except KeyError:
+        resolution = _resolution_cache[key] = _resolve(primitive, values)
+        return resolution
+
+
+def dispatch(
+    primitive: jc.Primitive,
+    values: Sequence[Any],
+    params: dict[str, Any],
+    *,
+    name_scopes: bool = False,
+):
     """Apply `primitive` to `values` using the registered rules.
 
     Order: the matching rules, most specific first (a rule returning
     `NotImplemented` hands over to the next); then the single overridden
-    `default` among the Values' types; then materialise and bind.
+    `default` among the Values' types; then materialise and bind. With
+    `name_scopes`, each rule runs in a `jax.named_scope` carrying its name, so
+    the equations it emits say where they came from (used by `explain`).
     """
     values = tuple(values)
-    key = (primitive, *map(_kind, values))
-    try:
-        resolution = _resolution_cache[key]
-    except KeyError:
-        resolution = _resolution_cache[key] = _resolve(primitive, values)
+    resolution = _resolution(primitive, values)
     for entry in resolution.chain:
         if isinstance(entry, Exception):
             raise entry
         method, swapped = entry
         args = values[::-1] if swapped else values
-        out = method.implementation(*args, **params)
+        if name_scopes:
+            with jax.named_scope(_scope_name(method.implementation)):
+                out = method.implementation(*args, **params)
+        else:
+            out = method.implementation(*args, **params)
         if out is not NotImplemented:
             return out, method
+    if name_scopes:
+        with jax.named_scope(_scope_name(resolution.default)):
+            return resolution.default(primitive, values, params), None
     return resolution.default(primitive, values, params), None
+
+
+def _scope_name(fn) -> str:
+    return "quaxlike:" + getattr(fn, "__qualname__", "rule").replace("<locals>.", "")
+
+
+def default_description(primitive: jc.Primitive, values: Sequence[Any]) -> str:
+    """Which `default` handled `primitive` on `values`: `Value.default` (which
+    materialises) or a type's own override."""
+    default = _resolution(primitive, tuple(values)).default
+    if default is Value.default:
+        return "default"
+    return "default of " + getattr(default, "__qualname__", "a Value type").rsplit(".", 1)[0]

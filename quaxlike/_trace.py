@@ -12,9 +12,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _jax_compat as jc
+from . import _instrument, _jax_compat as jc
 from ._diagnostics import messages, QuaxlikeError
-from ._rules import dispatch
+from ._rules import default_description, dispatch
 from ._values import checked_aval, Value
 
 
@@ -49,6 +49,8 @@ class QuaxTrace(jc.Trace):
         super().__init__()
         self.parent_trace = parent_trace
         self.adopts = adopts
+        # `explain` or checked mode: take the slower, observed path.
+        self.instrumented = _instrument.active()
 
     def _adopt(self, tracers):
         return [
@@ -94,9 +96,14 @@ class QuaxTrace(jc.Trace):
             return primitive.bind_with_trace(
                 self.parent_trace, tracers, [jax.typeof(t) for t in tracers], params
             )
+        if self.instrumented:
+            return self._process_observed(primitive, tracers, params)
         values = [self.unwrap(t) for t in tracers]
         with jc.set_current_trace(self.parent_trace):
             out, rule = dispatch(primitive, values, params)
+        return self._wrap_outputs(out, primitive, rule)
+
+    def _wrap_outputs(self, out, primitive, rule):
         if primitive.multiple_results:
             if not isinstance(out, (list, tuple)):
                 raise QuaxlikeError(
@@ -112,6 +119,37 @@ class QuaxTrace(jc.Trace):
                 )
             )
         return self._wrap_output(out, primitive, rule)
+
+    def _process_observed(self, primitive, tracers, params):
+        """`process_primitive` under `explain` (record what ran, and name the
+        equations each rule emits) or checked mode (compare each rule's outputs
+        with the primitive's abstract evaluation)."""
+        values = [self.unwrap(t) for t in tracers]
+        recorder = _instrument.recorder.get()
+        record = recorder.open(primitive, values) if recorder is not None else None
+        try:
+            with jc.set_current_trace(self.parent_trace):
+                out, rule = dispatch(primitive, values, params, name_scopes=record is not None)
+        finally:
+            if record is not None:
+                recorder.close(record)
+        if record is not None:
+            if rule is not None:
+                record.rule = _instrument.rule_name(rule)
+                record.location = _instrument.rule_location(rule)
+            else:
+                record.default_owner = default_description(primitive, values)
+        outputs = self._wrap_outputs(out, primitive, rule)
+        if _instrument.checking.get():
+            out_list = outputs if primitive.multiple_results else [outputs]
+            _instrument.check_outputs(
+                primitive,
+                [jax.typeof(t) for t in tracers],
+                params,
+                [jax.typeof(o) for o in out_list],
+                rule,
+            )
+        return outputs
 
     def process_call(self, call_primitive, f, tracers, params):
         if self.adopts:

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jaxtyping import ArrayLike
 
-from . import _jax_compat as jc
+from . import _jax_compat as jc, _policy
 from ._diagnostics import MaterialisationError, messages, QuaxlikeError
 
 
@@ -32,9 +32,14 @@ class Value(eqx.Module):
     this type. Set it to `False` for types like LoRA (`W + A @ B` is bilinear in
     `A`, `B`); their `custom_jvp` functions are differentiated through the primal
     computation instead.
+
+    The class attribute `warn_on_materialise` (default `True`) says whether
+    `quaxlike.materialise_policy("warn")`/`("error")` apply to this type; set it
+    to `False` for types that are cheap and expected to become dense.
     """
 
     structured_tangents: ClassVar[bool] = True
+    warn_on_materialise: ClassVar[bool] = True
 
     @abc.abstractmethod
     def aval(self) -> jc.AbstractValue:
@@ -109,7 +114,10 @@ class DenseArrayValue(ArrayValue):
     Every primitive falls back to materialising, so a `DenseArrayValue` computes
     exactly what the wrapped array would; it is useful to force arrays through the
     interpreter (benchmarks, tests) and as the simplest possible example type.
+    Being dense is its purpose, so `materialise_policy` leaves it alone.
     """
+
+    warn_on_materialise: ClassVar[bool] = False
 
     array: ArrayLike
 
@@ -172,10 +180,19 @@ def _is_weak_python_scalar(x) -> bool:
     return isinstance(x, (bool, int, float, complex))
 
 
+def fallback_materialise(value: Value, primitive: jc.Primitive) -> Any:
+    """Materialise `value` because a built-in rule for `primitive` needs it dense
+    (a loop carry that changed type, a `shard_map` leaf layout it cannot follow),
+    under the current `materialise_policy`."""
+    _policy.on_fallback(value, primitive)
+    return materialise_value(value, primitive)
+
+
 def materialise_for(primitive: jc.Primitive, values: Sequence[Any], position: int) -> Any:
     """Materialise `values[position]` because `primitive` has no rule for `values`;
     if the type refuses, say which primitive needed it and how to add a rule."""
     value = values[position]
+    _policy.on_fallback(value, primitive)
     try:
         return materialise_value(value, primitive)
     except QuaxlikeError:

@@ -1,8 +1,13 @@
 import os
 import sys
 
-import jax
-import pytest
+
+# Checked mode for the whole suite: every rule's outputs are compared with the
+# primitive's abstract evaluation. Read once, when quaxlike is first imported.
+os.environ.setdefault("QUAXLIKE_CHECK", "1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 # Test files in subfolders (tests/examples, tests/conformance) import `helpers`.

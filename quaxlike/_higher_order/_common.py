@@ -8,14 +8,14 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import ArrayLike
 
-from .._values import materialise_value, Value
+from .._values import fallback_materialise, Value
 
 
 AnyValue = ArrayLike | Value
 
 
-def to_dense(x: Any, primitive=None) -> Any:
-    return materialise_value(x, primitive) if isinstance(x, Value) else x
+def to_dense(x: Any, primitive) -> Any:
+    return fallback_materialise(x, primitive) if isinstance(x, Value) else x
 
 
 def through_array_leaves(transform: Callable, fn: Callable, args: Sequence[Any]):

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec
 from .. import _jax_compat as jc
 from .._quaxify import call_lifted
 from .._rules import register
-from .._values import is_value, materialise_value, Value
+from .._values import fallback_materialise, is_value, Value
 from ._common import AnyValue
 
 
@@ -174,7 +174,7 @@ def _split(values, specs, mesh, *, inside: bool):
         if isinstance(x, Value):
             leaf_specs = _leaf_specs(x, spec, mesh, inside=inside)
             if leaf_specs is None:
-                x = materialise_value(x, jc.shard_map_p)
+                x = fallback_materialise(x, jc.shard_map_p)
         layout.add(x, spec, leaf_specs, flat, flat_specs)
     return layout, flat, tuple(flat_specs)
 
