@@ -35,15 +35,34 @@ _JAX_OPERAND_ERROR = re.compile(
 )
 
 
+_PYTHON_OPERATOR_ERROR = re.compile(
+    r"unsupported operand type\(s\) for (\S+): '([\w.]+)' and '([\w.]+)'"
+)
+
+
 def _unlifted_value_error(error: TypeError) -> QuaxlikeError | None:
-    """JAX's error for a Value that reached a primitive without being lifted,
-    rewritten to say why that happens and what to do."""
+    """JAX's error for a Value that reached a primitive without being lifted (or
+    Python's, for an operator between an array and such a Value), rewritten to
+    say why that happens and what to do."""
+    known = {cls.__name__ for cls in _value_subclasses()}
+    operator = _PYTHON_OPERATOR_ERROR.search(str(error))
+    if operator is not None:
+        symbol, left, right = operator.groups()
+        for position, name in enumerate((left, right)):
+            if name.rsplit(".", 1)[-1] in known:
+                return QuaxlikeError(
+                    messages.VALUE_NOT_LIFTED.format(
+                        primitive=f"operator {symbol}",
+                        type_name=name.rsplit(".", 1)[-1],
+                        position=position,
+                    )
+                )
+        return None
     match = _JAX_OPERAND_ERROR.search(str(error))
     if match is None:
         return None
     primitive, qualified_name, position = match.groups()
     type_name = qualified_name.rsplit(".", 1)[-1]
-    known = {cls.__name__ for cls in _value_subclasses()}
     if type_name not in known:
         return None
     return QuaxlikeError(

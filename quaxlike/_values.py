@@ -198,15 +198,15 @@ def materialise_for(primitive: jc.Primitive, values: Sequence[Any], position: in
     except QuaxlikeError:
         raise
     except Exception as error:
-        type_name = type(value).__qualname__
+        type_name = type(value).__name__
         annotations = ", ".join(
-            f"x{i}: {type(v).__qualname__}" if isinstance(v, Value) else f"x{i}: ArrayLike"
+            f"x{i}: {type(v).__name__}" if isinstance(v, Value) else f"x{i}: ArrayLike"
             for i, v in enumerate(values)
         )
         raise MaterialisationError(
             messages.NO_RULE_AND_REFUSED.format(
                 primitive=primitive.name,
-                types=", ".join(type(v).__qualname__ for v in values),
+                types=", ".join(type(v).__name__ for v in values),
                 type_name=type_name,
                 position=position,
                 error=f"{type(error).__name__}: {error}",
