@@ -9,6 +9,7 @@ from ._diagnostics import (
     QuaxlikeError as QuaxlikeError,
 )
 from ._explain import explain as explain, Report as Report
+from ._operators import ArrayOperators as ArrayOperators
 from ._policy import materialise_policy as materialise_policy
 from ._quaxify import quaxify as quaxify
 from ._rules import register as register, rules_for as rules_for
@@ -19,3 +20,5 @@ try:
     __version__ = importlib.metadata.version("quaxlike")
 except importlib.metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0+unknown"
+
+from . import lax as lax, numpy as numpy  # noqa: E402  (they use the names above)

@@ -7,6 +7,7 @@ only. Checked against jax 0.10.x; see `../shared/JAX-INTERNALS.md` for the facts
 this module relies on.
 """
 
+import gc
 import os
 import sys
 
@@ -112,12 +113,15 @@ def known_lax_primitive_names() -> list[str]:
     return sorted(names)
 
 
-def check_no_leaks(trace) -> None:
-    """Raise JAX's own leaked-tracer error if any tracer still refers to `trace`
-    (only called when `jax_check_tracer_leaks` is on)."""
-    leaked = _core.maybe_find_leaked_tracers(trace)
-    if leaked:
-        raise _core.leaked_tracer_error("trace", trace, leaked)
+def check_no_leaks(traces) -> None:
+    """Raise JAX's own leaked-tracer error if any tracer still refers to one of
+    `traces` (only called when `jax_check_tracer_leaks` is on). One garbage
+    collection for all of them."""
+    gc.collect()
+    for trace in traces:
+        leaked = [r for r in gc.get_referrers(trace) if isinstance(r, _core.Tracer)]
+        if leaked:
+            raise _core.leaked_tracer_error("trace", trace, leaked)
 
 
 # --- shard_map bodies --------------------------------------------------------

@@ -1,5 +1,6 @@
 """`quaxify`: run a function with Values lifted into a `QuaxTrace`."""
 
+import contextvars
 import re
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -111,19 +112,41 @@ def _call_in_trace(trace: QuaxTrace, leaves, treedef, static):
     return jtu.tree_unflatten(out_treedef, [trace.unwrap(x) for x in out_leaves])
 
 
+# With JAX's leak checker on, each finished trace is checked for tracers still
+# referring to it, which costs a full garbage collection. A `quaxify` nested in
+# another (inside a rule, a jit body, an operator) leaves its trace here for
+# the outermost call to check, so a whole call pays for one collection.
+_unchecked_traces: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "quaxlike_unchecked_traces", default=None
+)
+
+
 def call_lifted(leaves, treedef, static, adopts: tuple[QuaxTrace, ...] = ()):
     """Run `(fn, args, kwargs)`, given as flattened `leaves`, in a new `QuaxTrace`
     that lifts the Values among them (and takes over the tracers of the traces in
     `adopts`: see `QuaxTrace`)."""
-    with jc.take_current_trace() as parent:
-        trace = QuaxTrace(parent, adopts)
-        try:
-            with jc.set_current_trace(trace):
-                out = _call_in_trace(trace, leaves, treedef, static)
-        finally:
-            trace.invalidate()
-        if jc.check_leaks_enabled():
-            jc.check_no_leaks(trace)
+    checking = jc.check_leaks_enabled()
+    unchecked = _unchecked_traces.get()
+    outermost = checking and unchecked is None
+    if outermost:
+        unchecked = []
+        token = _unchecked_traces.set(unchecked)
+    try:
+        with jc.take_current_trace() as parent:
+            trace = QuaxTrace(parent, adopts)
+            try:
+                with jc.set_current_trace(trace):
+                    out = _call_in_trace(trace, leaves, treedef, static)
+            finally:
+                trace.invalidate()
+    finally:
+        if outermost:
+            _unchecked_traces.reset(token)
+    if checking:
+        unchecked.append(trace)
+        del trace
+        if outermost:
+            jc.check_no_leaks(unchecked)
     return out
 
 

@@ -333,11 +333,6 @@ def test_vmap_inside_over_value_materialising(getseed):
     assert tree_allclose(out, jax.vmap(g, in_axes=(0, None))(dense(stacked), x), rtol=RTOL)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="quaxlike bug: vmap over a LoraArray inside quaxify gives a dot_general with "
-    "unbatched leading dims, which the LoRA rule rejects, so it tries to materialise",
-)
 def test_vmap_inside_over_value_no_materialise(getseed):
     stacked = make_lora(getseed(), (5, 4, 3))
     x = randn(getseed(), (3,))
