@@ -1,0 +1,14 @@
+"""Quantised weights: `Int8Array` (one scale per output channel) and `Int4Array`
+(one scale per group of inputs, two codes per byte), with matrix-product rules that
+never build the dense weight."""
+
+from . import _rules  # noqa: F401  (registers the quantised arrays' rules)
+from ._value import (
+    dequantize as dequantize,
+    Int4Array as Int4Array,
+    Int8Array as Int8Array,
+    quantize as quantize,
+    quantize_int4 as quantize_int4,
+    quantize_int8 as quantize_int8,
+    QuantizedArray as QuantizedArray,
+)

@@ -1,0 +1,471 @@
+"""`Int8Array` and `Int4Array`: quantisation, the matrix-product rules (compared with
+plain JAX on the dequantised weight), transforms, loops and quantised models.
+
+Unless a test says otherwise, every quantised array here refuses to materialise (the
+default), so getting a result at all shows that the rules handled it;
+`assert_codes_never_scaled` also checks the jaxpr."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+from helpers import randn, tree_allclose
+from jax import lax
+
+import quaxlike
+from quaxlike.examples.quantized import (
+    dequantize,
+    Int4Array,
+    Int8Array,
+    quantize,
+    quantize_int4,
+    quantize_int8,
+    QuantizedArray,
+)
+
+
+OUT, IN, BATCH, LAYERS = 6, 16, 3, 2
+GROUP = 8  # int4 group size used with IN = 16: two groups per row
+KINDS = ["int8", "int4"]
+
+
+# Jitted, so that each compiles once per shape rather than once per primitive.
+dequantized = eqx.filter_jit(lambda q: q.dequantize())
+codes_of = eqx.filter_jit(lambda q: q.codes())
+
+
+def make(kind, seed, shape=(OUT, IN), **kwargs):
+    w = randn(seed, shape)
+    if kind == "int8":
+        return quantize_int8(w, **kwargs)
+    return quantize_int4(w, group_size=GROUP, **kwargs)
+
+
+def run_both(fn, *args):
+    """`quaxify(fn)(*args)`, and `fn` on the same arguments with every quantised array
+    dequantised (plain JAX), each compiled once. `quaxify(fn)` is traced only once
+    (each trace runs the tracer-leak checker, which is slow); its jaxpr is returned
+    too."""
+    closed, out_shape = jax.make_jaxpr(quaxlike.quaxify(fn), return_shape=True)(*args)
+    flat = jax.jit(jax.extend.core.jaxpr_as_fun(closed))(*jtu.tree_leaves(args))
+    got = jtu.tree_unflatten(jtu.tree_structure(out_shape), flat)
+    expected = eqx.filter_jit(lambda *args: fn(*dequantize(args)))(*args)
+    return got, expected, closed.jaxpr
+
+
+def assert_codes_never_scaled(jaxpr, expected_products=1):
+    """Check that the float-converted integer codes in `jaxpr` (the outer level) only
+    ever go into `dot_general`s, possibly after a reshape, and never into a `mul`:
+    the dense weight `codes * scale` is never formed."""
+    codes = set()
+
+    def is_code(v):
+        return isinstance(v, jax.extend.core.Var) and v in codes
+
+    products = 0
+    for eqn in jaxpr.eqns:
+        (first, *_) = eqn.invars
+        name = eqn.primitive.name
+        if (
+            name == "convert_element_type"
+            and first.aval.dtype == jnp.int8
+            and eqn.outvars[0].aval.dtype.kind == "f"
+        ):
+            codes.update(eqn.outvars)
+        elif any(map(is_code, eqn.invars)):
+            assert name in ("reshape", "dot_general"), f"codes used by `{name}`"
+            codes.update(eqn.outvars if name == "reshape" else ())
+            products += name == "dot_general"
+    assert products == expected_products
+
+
+# --- quantisation ----------------------------------------------------------------
+
+
+def test_quantize_int8_known_values():
+    w = jnp.array([[1.0, -0.25, 0.0], [0.5, 2.0, -2.0], [0.0, 0.0, 0.0]])
+    q = quantize_int8(w)
+    assert q.values.dtype == jnp.int8 and q.scale.dtype == jnp.float32
+    assert np.array_equal(q.values, [[127, -32, 0], [32, 127, -127], [0, 0, 0]])
+    assert np.allclose(q.scale, [1 / 127, 2 / 127, 1.0])  # an all-zero row gets scale 1
+    assert q.shape == (3, 3) and q.dtype == jnp.float32
+
+
+def test_quantize_int4_packs_two_codes_per_byte():
+    # One group of four: absmax 7 gives scale 1, so the codes are the values.
+    q = quantize_int4(jnp.array([[7.0, -7.0, 1.0, 0.0]]), group_size=4)
+    # Stored plus 8, low nibble first: (15, 1) -> 0x1F and (9, 8) -> 0x89.
+    assert q.packed.dtype == jnp.uint8
+    assert np.array_equal(q.packed, [[0x1F, 0x89]])
+    assert np.array_equal(codes_of(q), [[7, -7, 1, 0]])
+    assert q.shape == (1, 4) and q.group_size == 4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_within_half_a_step(kind, getseed):
+    w = randn(getseed(), (LAYERS, OUT, IN))  # leading batch dimensions quantise too
+    q = quantize_int8(w) if kind == "int8" else quantize_int4(w, group_size=GROUP)
+    code_max = 127 if kind == "int8" else 7
+    ints = np.asarray(codes_of(q))
+    assert ints.shape == w.shape and np.abs(ints).max() == code_max
+    step = np.asarray(q.scale)[..., None]
+    if kind == "int4":
+        assert q.scale.shape == (LAYERS, OUT, IN // GROUP)
+        step = np.repeat(step[..., 0], GROUP, axis=-1)
+    error = np.abs(np.asarray(dequantized(q)) - np.asarray(w))
+    assert np.all(error <= step / 2 + 1e-6)
+    assert error.max() > 0  # it really was quantised
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match="group_size=6.*divide the input dimension 16"):
+        quantize_int4(jnp.ones((2, 16)), group_size=6)
+    with pytest.raises(ValueError, match="group_size=3.*must be even"):
+        quantize_int4(jnp.ones((2, 6)), group_size=3)
+    with pytest.raises(ValueError, match="quantize_int8.*at least two dimensions"):
+        quantize_int8(jnp.ones(4))
+    with pytest.raises(ValueError, match="floating-point.*int32"):
+        quantize_int8(jnp.ones((2, 2), jnp.int32))
+    with pytest.raises(ValueError, match="even group size"):  # 6 inputs in 2 groups of 3
+        Int4Array(jnp.zeros((2, 3), jnp.uint8), jnp.ones((2, 2)))
+    with pytest.raises(ValueError, match="`bits` must be 8 or 4"):
+        quantize([jnp.ones((2, 2))], bits=3, where=lambda m: m[0])
+
+
+def test_refuses_to_materialise_with_a_teaching_error(getseed):
+    q = make("int8", getseed())
+    with pytest.raises(quaxlike.MaterialisationError, match=r"`sin`[\s\S]*Int8Array") as info:
+        quaxlike.quaxify(jnp.sin)(q)
+    assert "dequantize()" in str(info.value.__cause__)
+    assert "allow_materialise=True" in str(info.value.__cause__)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_allowed_materialisation_falls_back(kind, getseed):
+    q = make(kind, getseed(), allow_materialise=True)
+    got, expected, _ = run_both(jnp.sin, q)
+    assert tree_allclose(got, expected)
+
+
+# --- dot_general layouts ---------------------------------------------------------
+
+
+def _dot(dimension_numbers):
+    return lambda w, a: lax.dot_general(w, a, dimension_numbers)
+
+
+# (name, function of (weight, other), shape of the weight, shape of the other)
+LAYOUTS = [
+    ("w@x", lambda w, x: w @ x, (OUT, IN), (IN,)),
+    ("w@X", lambda w, x: w @ x, (OUT, IN), (IN, BATCH)),
+    ("x@w.T", lambda w, x: x @ w.T, (OUT, IN), (IN,)),
+    ("X@w.T", lambda w, x: x @ w.T, (OUT, IN), (BATCH, IN)),
+    ("y@w", lambda w, y: y @ w, (OUT, IN), (OUT,)),
+    ("Y@w", lambda w, y: y @ w, (OUT, IN), (BATCH, OUT)),
+    ("w.T@Y", lambda w, y: w.T @ y, (OUT, IN), (OUT, BATCH)),
+    ("w,X->oB", _dot((((1,), (1,)), ((), ()))), (OUT, IN), (BATCH, IN)),
+    (
+        "X,w->Bo",
+        lambda w, x: lax.dot_general(x, w, (((1,), (1,)), ((), ()))),
+        (OUT, IN),
+        (BATCH, IN),
+    ),
+    ("einsum", lambda w, x: jnp.einsum("oi,bi->bo", w, x), (OUT, IN), (BATCH, IN)),
+    ("oi,oB->oiB", _dot((((), ()), ((0,), (0,)))), (OUT, IN), (OUT, BATCH)),
+    ("oi,oi->oi", _dot((((), ()), ((0, 1), (0, 1)))), (OUT, IN), (OUT, IN)),
+    ("loi,li->lo", _dot((((2,), (1,)), ((0,), (0,)))), (LAYERS, OUT, IN), (LAYERS, IN)),
+    ("loi,lo->li", _dot((((1,), (1,)), ((0,), (0,)))), (LAYERS, OUT, IN), (LAYERS, OUT)),
+    ("loi,ix->lox", _dot((((2,), (0,)), ((), ()))), (LAYERS, OUT, IN), (IN, BATCH)),
+    ("l(w.T)@Y", lambda w, y: w.mT @ y, (LAYERS, OUT, IN), (LAYERS, OUT, BATCH)),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dot_general_layouts(kind, getseed):
+    # All layouts in one trace and one compilation: a trace per layout is slow.
+    matrix = make(kind, getseed(), (OUT, IN))
+    stacked = make(kind, getseed(), (LAYERS, OUT, IN))
+    others = [randn(getseed(), other_shape) for *_, other_shape in LAYOUTS]
+
+    def all_layouts(matrix, stacked, others):
+        return [
+            fn(matrix if len(w_shape) == 2 else stacked, other)
+            for (_, fn, w_shape, _), other in zip(LAYOUTS, others)
+        ]
+
+    got, expected, jaxpr = run_both(all_layouts, matrix, stacked, others)
+    for (name, *_), g, e in zip(LAYOUTS, got, expected):
+        assert tree_allclose(g, e, rtol=1e-5, atol=1e-5), name
+    assert_codes_never_scaled(jaxpr, expected_products=len(LAYOUTS))
+
+
+@pytest.mark.parametrize("kinds", [("int8", "int4"), ("int4", "int8"), ("int8", "int8")])
+def test_dot_general_quantized_quantized(kinds, getseed):
+    a = make(kinds[0], getseed())
+    b = make(kinds[1], getseed(), (BATCH + 1, IN))
+
+    got, expected, jaxpr = run_both(lambda a, b: a @ b.T, a, b)
+    assert tree_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert_codes_never_scaled(jaxpr)  # both codes meet in one product
+
+
+@pytest.mark.parametrize(
+    "kind, fn, b_shape",
+    [("int4", lambda a, b: a @ b.T, (BATCH, IN)), ("int8", lambda a, b: a.T @ b, (OUT, BATCH))],
+    ids=["int4@int4.T", "int8.T@int8"],
+)
+def test_quantized_products_that_materialise(kind, fn, b_shape, getseed):
+    # `a @ b.T` for two Int4Arrays: each would have to be cut into the other's
+    # groups. `a.T @ b`: both operands' scales vary along the contracted rows.
+    a, b = make(kind, getseed()), make(kind, getseed(), b_shape)
+    with pytest.raises(quaxlike.MaterialisationError, match="dot_general"):
+        jax.eval_shape(quaxlike.quaxify(fn), a, b)
+
+
+def test_layout_that_cannot_factor_the_scales_materialises(getseed):
+    # Contracting the layer axis while keeping `out`: each output mixes rows with
+    # different scales, so the rule hands over to materialisation.
+    fn = _dot((((0, 2), (0, 1)), ((), ())))
+    x = randn(getseed(), (LAYERS, IN))
+    with pytest.raises(quaxlike.MaterialisationError, match="dot_general"):
+        jax.eval_shape(quaxlike.quaxify(fn), make("int8", getseed(), (LAYERS, OUT, IN)), x)
+    q = make("int8", getseed(), (LAYERS, OUT, IN), allow_materialise=True)
+    got, expected, _ = run_both(fn, q, x)
+    assert tree_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dot_keeps_precision_and_preferred_type(getseed):
+    q = make("int8", getseed())
+    q = q.with_scale(q.scale.astype(jnp.bfloat16))
+    x = randn(getseed(), (IN,)).astype(jnp.bfloat16)
+
+    def fn(w, x):
+        return lax.dot(w, x, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+    out, expected, jaxpr = run_both(fn, q, x)
+    assert out.dtype == jnp.float32
+    assert tree_allclose(out, expected, rtol=1e-2, atol=1e-2)
+    (dot,) = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dot.params["precision"] == (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+    assert dot.params["preferred_element_type"] == jnp.float32
+
+
+# --- operations that stay quantised ----------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_transpose_scalars_and_convert_stay_quantized(kind, getseed):
+    q = make(kind, getseed())
+
+    def fn(w):
+        return (-(w.T * 0.5) / 3.0).astype(jnp.bfloat16)
+
+    out, expected, _ = run_both(fn, q)
+    assert isinstance(out, type(q)) and out.transposed and out.dtype == jnp.bfloat16
+    assert out.shape == (IN, OUT)
+    assert tree_allclose(dequantized(out), expected, rtol=1e-2, atol=1e-2)
+    # Transposing twice gives back the stored layout.
+    twice = jax.eval_shape(quaxlike.quaxify(lambda w: jnp.transpose(w.T)), q)
+    assert isinstance(twice, type(q)) and not twice.transposed
+
+
+def test_transpose_of_a_batch_axis_materialises(getseed):
+    q = make("int8", getseed(), (LAYERS, OUT, IN))
+    with pytest.raises(quaxlike.MaterialisationError, match="transpose"):
+        jax.eval_shape(quaxlike.quaxify(lambda w: jnp.transpose(w, (1, 0, 2))), q)
+
+
+# --- transforms ------------------------------------------------------------------
+
+
+def assert_pairs_close(pairs, rtol=1e-5, atol=1e-5):
+    for name, (got, expected) in pairs.items():
+        assert tree_allclose(got, expected, rtol=rtol, atol=atol), name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_jit_vmap_grad_over_inputs(kind, getseed):
+    q = make(kind, getseed())
+    xs = randn(getseed(), (BATCH, IN))
+
+    def f(w, x):
+        return jnp.tanh(w @ x)
+
+    def loss(w, x):
+        return jnp.sum(f(w, x) ** 2)
+
+    @jax.jit  # a quantised array is a PyTree of arrays (static fields aside)
+    def run(q, xs):
+        dense, x = q.dequantize(), xs[0]
+        batched = jax.vmap(quaxlike.quaxify(f), in_axes=(None, 0))(q, xs)
+        grad = jax.grad(lambda x: quaxlike.quaxify(loss)(q, x))(x)
+        expected_grad = jax.grad(loss, argnums=1)(dense, x)
+        return {
+            "vmap": (batched, jax.vmap(f, in_axes=(None, 0))(dense, xs)),
+            "grad": (grad, expected_grad),
+            # `jax.grad` inside `quaxify`: the transposed product it needs (`out`
+            # contracted) goes to the rule too.
+            "grad inside": (quaxlike.quaxify(jax.grad(loss, argnums=1))(q, x), expected_grad),
+            "vmap inside": (quaxlike.quaxify(jax.vmap(f, in_axes=(None, 0)))(q, xs), batched),
+        }
+
+    assert_pairs_close(run(q, xs))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_vmap_over_stacked_quantized_arrays(kind, getseed):
+    q = make(kind, getseed(), (LAYERS, OUT, IN))  # quantised row by row, per layer
+    # Two separately built arrays, stacked leaf by leaf.
+    stacked = jtu.tree_map(lambda *leaves: jnp.stack(leaves), *[make(kind, s) for s in (1, 2)])
+    xs = randn(getseed(), (LAYERS, IN))
+
+    def f(w, x):
+        return w @ x
+
+    @eqx.filter_jit
+    def run(q, stacked, xs):
+        return {
+            "built stacked": (
+                jax.vmap(quaxlike.quaxify(f))(q, xs),
+                jax.vmap(f)(q.dequantize(), xs),
+            ),
+            "stacked later": (
+                jax.vmap(quaxlike.quaxify(f))(stacked, xs),
+                jax.vmap(lambda w, x: w.dequantize() @ x)(stacked, xs),
+            ),
+        }
+
+    assert_pairs_close(run(q, stacked, xs))
+
+
+# --- control flow inside quaxify -------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_scan_over_inputs_and_over_layers(kind, getseed):
+    q = make(kind, getseed())
+    square = make(kind, getseed(), (LAYERS, IN, IN))
+    xs = randn(getseed(), (BATCH, IN))
+
+    def over_inputs(w, xs):
+        def body(total, x):
+            y = w @ x
+            return total + y, jnp.tanh(y)
+
+        return lax.scan(body, jnp.zeros(OUT), xs)
+
+    def over_layers(ws, h):
+        return lax.scan(lambda h, w: (jnp.tanh(w @ h), None), h, ws)[0]
+
+    @eqx.filter_jit
+    def run(q, square, xs):
+        return {
+            "inputs": (quaxlike.quaxify(over_inputs)(q, xs), over_inputs(q.dequantize(), xs)),
+            "layers": (
+                quaxlike.quaxify(over_layers)(square, xs[0]),
+                over_layers(square.dequantize(), xs[0]),
+            ),
+        }
+
+    assert_pairs_close(run(q, square, xs))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cond_and_while_loop(kind, getseed):
+    q = make(kind, getseed(), (IN, IN))
+    x = randn(getseed(), (IN,))
+
+    def branchy(w, x, p):
+        w = lax.cond(p, lambda w: w, lambda w: -w, w)  # returns the quantised array
+        return lax.cond(p, lambda x: w @ x, lambda x: jnp.sin(w @ x), x)
+
+    def looped(w, x, n):
+        return lax.fori_loop(0, n, lambda i, h: jnp.tanh(w @ h), x)  # traced n: a while
+
+    @eqx.filter_jit
+    def run(q, x, p, n):
+        dense = q.dequantize()
+        return {
+            "cond": (quaxlike.quaxify(branchy)(q, x, p), branchy(dense, x, p)),
+            "while": (quaxlike.quaxify(looped)(q, x, n), looped(dense, x, n)),
+        }
+
+    for p in (True, False):  # one trace: `p` is traced
+        assert_pairs_close(run(q, x, jnp.array(p), 3))
+
+
+# --- quantised Equinox models ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    # Built abstractly and filled from NumPy (uniform in +-1/sqrt(fan in), like
+    # Equinox's own initialisation): initialising with JAX keys would compile a
+    # program per layer.
+    shapes = eqx.filter_eval_shape(
+        eqx.nn.MLP, 64, 8, 64, depth=2, activation=jax.nn.gelu, key=jr.key(0)
+    )
+    rng = np.random.default_rng(0)
+    leaves, treedef = jtu.tree_flatten(shapes)
+    leaves = [
+        jnp.asarray(rng.uniform(-(64**-0.5), 64**-0.5, x.shape), x.dtype)
+        if isinstance(x, jax.ShapeDtypeStruct)
+        else x
+        for x in leaves
+    ]
+    return jtu.tree_unflatten(treedef, leaves)
+
+
+@pytest.mark.parametrize("bits, bound", [(8, 0.02), (4, 0.15)])
+def test_quantize_mlp_accuracy(mlp, bits, bound, getseed):
+    qmlp = quantize(mlp, bits=bits, group_size=32)
+    kind = Int8Array if bits == 8 else Int4Array
+    assert all(isinstance(layer.weight, kind) for layer in qmlp.layers)
+    assert all(not isinstance(layer.bias, QuantizedArray) for layer in qmlp.layers)
+    xs = randn(getseed(), (16, 64))
+
+    @eqx.filter_jit
+    def run(qmlp, mlp, xs):
+        out = jax.vmap(quaxlike.quaxify(qmlp))(xs)
+        return out, jax.vmap(dequantize(qmlp))(xs), jax.vmap(mlp)(xs)
+
+    out, dequantized_out, reference = run(qmlp, mlp, xs)
+    # Exactly what plain JAX computes with the dequantised weights ...
+    assert tree_allclose(out, dequantized_out, rtol=1e-5, atol=1e-5)
+    # ... and close to the original model.
+    max_abs = float(jnp.max(jnp.abs(out - reference)))
+    relative = float(jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference))
+    print(f"int{bits}: max abs error {max_abs:.2e}, relative error (2-norm) {relative:.2%}")
+    assert 0 < relative < bound
+
+
+def test_quantize_where_selects_weights(mlp, getseed):
+    qmlp = quantize(mlp, bits=4, group_size=16, where=lambda m: m.layers[0].weight)
+    assert isinstance(qmlp.layers[0].weight, Int4Array) and qmlp.layers[0].weight.group_size == 16
+    assert all(not isinstance(layer.weight, QuantizedArray) for layer in qmlp.layers[1:])
+    x = randn(getseed(), (64,))
+    run = eqx.filter_jit(lambda m, x: (quaxlike.quaxify(m)(x), dequantize(m)(x)))
+    assert tree_allclose(*run(qmlp, x), rtol=1e-5, atol=1e-5)
+
+
+def test_grad_with_respect_to_a_quantized_model(mlp, getseed):
+    model = mlp.layers[-1]  # an `eqx.nn.Linear(64, 8)`
+    qmodel = quantize(model, bits=4, group_size=GROUP)
+    x = randn(getseed(), (64,))
+
+    def loss(m, x):
+        return jnp.sum(jnp.tanh(quaxlike.quaxify(m)(x)) ** 2)
+
+    # Only the floating-point leaves (scales, bias) are differentiated; the codes,
+    # being integers, get `None`.
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(qmodel, x)
+    assert grads.weight.packed is None and grads.weight.scale.shape == (8, 64 // GROUP)
+    expected = eqx.filter_jit(eqx.filter_grad(lambda m, x: loss(dequantize(m), x)))(qmodel, x)
+    assert tree_allclose(grads, expected, rtol=1e-5, atol=1e-6)
+    assert float(jnp.max(jnp.abs(grads.weight.scale))) > 0
+    # `jax.grad` refuses the integer leaves outright.
+    with pytest.raises(TypeError, match="uint8"):
+        jax.grad(loss)(qmodel, x)
