@@ -181,7 +181,19 @@ def _package_dir(module) -> str:
 
 
 # Libraries between the user's code and a primitive: never "the user's line".
-_NOT_USER = tuple(_package_dir(m) for m in (__import__("equinox"), __import__("plum")))
+def _library_dirs() -> tuple[str, ...]:
+    import importlib
+
+    dirs = []
+    for name in ("jax", "jaxlib", "equinox", "plum", "jaxtyping", "beartype"):
+        try:
+            dirs.append(_package_dir(importlib.import_module(name)))
+        except ImportError:
+            pass
+    return tuple(dirs)
+
+
+_NOT_USER = _library_dirs()
 
 
 def user_source_line() -> SourceLine:
