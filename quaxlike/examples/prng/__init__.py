@@ -1,0 +1,11 @@
+"""PRNG keys as Values: `PRNGKeyValue`, which works with `jax.random` and refuses
+arithmetic."""
+
+from . import _rules  # noqa: F401  (registers PRNGKeyValue's rules)
+from ._functions import (
+    fold_in as fold_in,
+    normal as normal,
+    split as split,
+    uniform as uniform,
+)
+from ._value import KeyArithmeticError as KeyArithmeticError, PRNGKeyValue as PRNGKeyValue

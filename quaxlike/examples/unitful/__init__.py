@@ -1,0 +1,22 @@
+"""Arrays with physical units: `Unitful(array, unit)`, with a small unit algebra."""
+
+from . import _rules  # noqa: F401  (registers Unitful's rules)
+from ._unit import (
+    A as A,
+    cm as cm,
+    dimensionless as dimensionless,
+    gram as gram,
+    hour as hour,
+    Hz as Hz,
+    J as J,
+    K as K,
+    kg as kg,
+    km as km,
+    m as m,
+    minute as minute,
+    N as N,
+    s as s,
+    Unit as Unit,
+    W as W,
+)
+from ._value import UnitError as UnitError, Unitful as Unitful

@@ -1,0 +1,388 @@
+"""Rules for `Unitful`: how each primitive combines, keeps or checks units.
+
+Families, each registered from a table below:
+
+- same-unit primitives (`add`, `max`, comparisons, `select_n`, `concatenate`, ...):
+  every quantity operand is converted to one unit, after checking dimensions;
+- unit-keeping primitives (`neg`, reductions, reshapes, slicing, ...): the first
+  operand carries the unit, the others (indices) are plain;
+- unit algebra (`mul`, `div`, `dot_general`, `integer_pow`, `sqrt`, ...);
+- dimensionless-only primitives (`exp`, `log`, `sin`, ...).
+"""
+
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any
+
+import jax
+import jax.extend.core
+import numpy as np
+from jax import lax
+from jaxtyping import ArrayLike
+
+import quaxlike
+
+from ._unit import dimensionless, Unit
+from ._value import convert_array, UnitError, Unitful
+
+
+_MISMATCH_MSG = (
+    "`{primitive}` needs its arguments in compatible units, but got a quantity in "
+    "{first} (argument {first_position}) and one in {second} (argument "
+    "{second_position}), whose dimensions differ. Only quantities of the same kind "
+    "can be added, subtracted, compared or selected between (units of one kind, "
+    "such as km and m, are converted automatically): check the formula."
+)
+_PLAIN_MSG = (
+    "`{primitive}` got a plain array (argument {plain_position}) and a quantity in "
+    "{unit} (argument {position}). A plain array counts as a dimensionless number, "
+    "so it can only be combined this way with dimensionless quantities. Give it a "
+    "unit, for example by passing `Unitful(x, {unit_expr})` into the quaxified "
+    "function instead of `x`."
+)
+_NEEDS_DIMENSIONLESS_MSG = (
+    "`{primitive}` needs a dimensionless argument, but argument {position} is a "
+    "quantity in {unit}. Divide it by a reference quantity first (for example "
+    "`jnp.exp(-energy / kT)` with `kT` in the same unit as `energy`)."
+)
+_POW_MSG = (
+    "`pow` with a quantity in {unit} as its base: the unit of the result depends on "
+    "the exponent's value, which is not known while tracing. Use an integer power "
+    "(`x**2`, which JAX turns into `integer_pow`), `jnp.sqrt`, `jnp.cbrt`, or divide "
+    "by a reference quantity first so the base is dimensionless."
+)
+_INDEX_MSG = (
+    "`{primitive}` got a quantity in {unit} as argument {position}, where it expects "
+    "plain numbers (indices, a predicate, a shape); only argument {allowed} may carry "
+    "a unit."
+)
+
+
+def _quantities(args: Sequence[Any], positions: Sequence[int]) -> list[int]:
+    return [i for i in positions if isinstance(args[i], Unitful)]
+
+
+def _check_plain(primitive, args, positions) -> None:
+    """Raise if a Unitful sits where the primitive expects plain numbers."""
+    allowed = set(positions)
+    for i, x in enumerate(args):
+        if i not in allowed and isinstance(x, Unitful):
+            text = ", ".join(str(p) for p in sorted(allowed))
+            raise UnitError(
+                _INDEX_MSG.format(primitive=primitive.name, unit=x.unit, position=i, allowed=text)
+            )
+
+
+def _is_constant_zero(x: Any) -> bool:
+    """Whether `x` is a scalar zero written into the program as a constant.
+
+    Zero is zero in every unit, and JAX's own rules compare with it (the
+    derivative of `abs` asks `x >= 0`; `jnp.remainder` and `jax.nn.relu` compare
+    with 0). Such constants arrive as NumPy scalars or Python numbers both eagerly
+    and under `jax.jit`. A zero that went through an operation first (`x > 0`
+    written with `jnp`, which converts the 0) arrives as a `jax.Array` or a tracer
+    and is not accepted: that keeps eager and jitted code in agreement.
+    """
+    if isinstance(x, jax.Array) or not isinstance(x, (np.ndarray, np.generic, int, float)):
+        return False
+    return np.ndim(x) == 0 and not np.iscomplexobj(x) and bool(np.asarray(x) == 0)
+
+
+def _common_unit(primitive, args: Sequence[Any], positions: Sequence[int]):
+    """Express the operands at `positions` in one unit (that of the first quantity
+    among them, or dimensionless when a plain array is involved).
+
+    Returns the operands as plain arrays, and that unit.
+    """
+    _check_plain(primitive, args, positions)
+    quantity_positions = _quantities(args, positions)
+    first = quantity_positions[0]
+    unit = args[first].unit
+    plain_positions = [
+        i for i in positions if i not in quantity_positions and not _is_constant_zero(args[i])
+    ]
+    if plain_positions:
+        # Plain numbers are dimensionless with scale 1.
+        for i in quantity_positions:
+            if not args[i].unit.dimensionless:
+                raise UnitError(
+                    _PLAIN_MSG.format(
+                        primitive=primitive.name,
+                        plain_position=plain_positions[0],
+                        unit=args[i].unit,
+                        position=i,
+                        unit_expr=_unit_expression(args[i].unit),
+                    )
+                )
+        unit = dimensionless
+    arrays = list(args)
+    for i in quantity_positions:
+        if not args[i].unit.same_dimensions(unit):
+            raise UnitError(
+                _MISMATCH_MSG.format(
+                    primitive=primitive.name,
+                    first=unit,
+                    first_position=first,
+                    second=args[i].unit,
+                    second_position=i,
+                )
+            )
+        arrays[i] = convert_array(args[i].array, args[i].unit, unit)
+    return arrays, unit
+
+
+def _unit_expression(unit: Unit) -> str:
+    text = str(unit)
+    return text.replace("^", "**") if unit.scale == 1.0 else "unit"
+
+
+def _require_dimensionless(primitive, x: Unitful, position: int = 0):
+    """`x`'s numbers as a pure number (scale 1), or a UnitError."""
+    if not x.unit.dimensionless:
+        raise UnitError(
+            _NEEDS_DIMENSIONLESS_MSG.format(
+                primitive=primitive.name, position=position, unit=x.unit
+            )
+        )
+    return convert_array(x.array, x.unit, dimensionless)
+
+
+def _rule_name(primitive, suffix: str) -> str:
+    return f"{primitive.name.replace('-', '_')}_p_{suffix}"
+
+
+def _unit_of(x: Any) -> Unit:
+    return x.unit if isinstance(x, Unitful) else dimensionless
+
+
+def _array_of(x: Any) -> Any:
+    return x.array if isinstance(x, Unitful) else x
+
+
+# --- same-unit primitives --------------------------------------------------------
+
+# primitive -> (positions holding quantities, given the number of operands; whether
+# the result is a quantity in the common unit rather than a plain array)
+_SAME_UNIT = {
+    lax.add_p: (lambda n: range(n), True),
+    # `add_any` sums cotangents: `jax.grad` inside `quaxify` emits it.
+    jax.extend.core.primitives.add_jaxvals_p: (lambda n: range(n), True),
+    lax.sub_p: (lambda n: range(n), True),
+    lax.max_p: (lambda n: range(n), True),
+    lax.min_p: (lambda n: range(n), True),
+    lax.rem_p: (lambda n: range(n), True),
+    lax.nextafter_p: (lambda n: range(n), True),
+    lax.clamp_p: (lambda n: range(n), True),
+    lax.concatenate_p: (lambda n: range(n), True),
+    lax.pad_p: (lambda n: range(n), True),
+    lax.select_n_p: (lambda n: range(1, n), True),
+    lax.dynamic_update_slice_p: (lambda n: (0, 1), True),
+    lax.scatter_p: (lambda n: (0, 2), True),
+    lax.scatter_add_p: (lambda n: (0, 2), True),
+    lax.scatter_sub_p: (lambda n: (0, 2), True),
+    lax.eq_p: (lambda n: range(n), False),
+    lax.ne_p: (lambda n: range(n), False),
+    lax.lt_p: (lambda n: range(n), False),
+    lax.le_p: (lambda n: range(n), False),
+    lax.gt_p: (lambda n: range(n), False),
+    lax.ge_p: (lambda n: range(n), False),
+}
+
+
+def _make_same_unit_rule(primitive, positions_for, keeps_unit: bool):
+    def rule(*args: Unitful | ArrayLike, **params):
+        arrays, unit = _common_unit(primitive, args, positions_for(len(args)))
+        out = primitive.bind(*arrays, **params)
+        return Unitful(out, unit) if keeps_unit else out
+
+    rule.__name__ = rule.__qualname__ = _rule_name(primitive, "unitful")
+    return rule
+
+
+for _primitive, (_positions, _keeps) in _SAME_UNIT.items():
+    quaxlike.register(_primitive)(_make_same_unit_rule(_primitive, _positions, _keeps))
+
+
+@quaxlike.register(lax.atan2_p)
+def atan2_p_unitful(y: Unitful | ArrayLike, x: Unitful | ArrayLike, **params) -> Unitful:
+    # The angle between two components of a vector: their units cancel.
+    (y, x), _ = _common_unit(lax.atan2_p, (y, x), (0, 1))
+    return Unitful(lax.atan2_p.bind(y, x, **params), dimensionless)
+
+
+# --- unit-keeping primitives -----------------------------------------------------
+
+_KEEPS_UNIT = [
+    lax.neg_p,
+    lax.abs_p,
+    lax.floor_p,
+    lax.ceil_p,
+    lax.round_p,
+    lax.real_p,
+    lax.imag_p,
+    lax.conj_p,
+    lax.copy_p,
+    lax.broadcast_in_dim_p,
+    lax.reshape_p,
+    lax.squeeze_p,
+    lax.transpose_p,
+    lax.rev_p,
+    lax.slice_p,
+    lax.dynamic_slice_p,
+    lax.gather_p,
+    lax.convert_element_type_p,
+    lax.reduce_sum_p,
+    lax.reduce_max_p,
+    lax.reduce_min_p,
+    lax.cumsum_p,
+    lax.cummax_p,
+    lax.cummin_p,
+    lax.reduce_precision_p,
+    lax.stop_gradient_p,
+]
+
+# The result is a plain array: a sign, a mask, an index.
+_PLAIN_RESULT = [lax.sign_p, lax.is_finite_p, lax.argmax_p, lax.argmin_p]
+
+
+def _make_keeps_unit_rule(primitive, keeps_unit: bool):
+    def rule(x: Unitful, *rest: ArrayLike, **params):
+        out = primitive.bind(x.array, *rest, **params)
+        return Unitful(out, x.unit) if keeps_unit else out
+
+    rule.__name__ = rule.__qualname__ = _rule_name(primitive, "unitful")
+    return rule
+
+
+for _primitive in _KEEPS_UNIT:
+    quaxlike.register(_primitive)(_make_keeps_unit_rule(_primitive, True))
+for _primitive in _PLAIN_RESULT:
+    quaxlike.register(_primitive)(_make_keeps_unit_rule(_primitive, False))
+
+
+@quaxlike.register(lax.split_p)
+def split_p_unitful(x: Unitful, **params) -> list:
+    return [Unitful(out, x.unit) for out in lax.split_p.bind(x.array, **params)]
+
+
+def _make_each_operand_rule(primitive):
+    # Output i comes from operand i and keeps its unit: `sort` (which carries
+    # payload operands along with the keys, as `argsort` does) and barriers.
+    def rule(*args: Unitful | ArrayLike, **params) -> list:
+        outs = primitive.bind(*map(_array_of, args), **params)
+        return [
+            Unitful(out, x.unit) if isinstance(x, Unitful) else out for x, out in zip(args, outs)
+        ]
+
+    rule.__name__ = rule.__qualname__ = _rule_name(primitive, "unitful")
+    return rule
+
+
+for _primitive in [lax.sort_p, lax.optimization_barrier_p]:
+    quaxlike.register(_primitive)(_make_each_operand_rule(_primitive))
+
+
+# --- unit algebra ----------------------------------------------------------------
+
+
+@quaxlike.register(lax.mul_p)
+def mul_p_unitful(x: Unitful | ArrayLike, y: Unitful | ArrayLike, **params) -> Unitful:
+    out = lax.mul_p.bind(_array_of(x), _array_of(y), **params)
+    return Unitful(out, _unit_of(x) * _unit_of(y))
+
+
+@quaxlike.register(lax.dot_general_p)
+def dot_general_p_unitful(x: Unitful | ArrayLike, y: Unitful | ArrayLike, **params) -> Unitful:
+    out = lax.dot_general_p.bind(_array_of(x), _array_of(y), **params)
+    return Unitful(out, _unit_of(x) * _unit_of(y))
+
+
+@quaxlike.register(lax.div_p)
+def div_p_unitful(x: Unitful | ArrayLike, y: Unitful | ArrayLike, **params) -> Unitful:
+    out = lax.div_p.bind(_array_of(x), _array_of(y), **params)
+    return Unitful(out, _unit_of(x) / _unit_of(y))
+
+
+@quaxlike.register(lax.integer_pow_p)
+def integer_pow_p_unitful(x: Unitful, *, y: int, **params) -> Unitful:
+    return Unitful(lax.integer_pow_p.bind(x.array, y=y, **params), x.unit**y)
+
+
+_POWERS = {
+    lax.square_p: Fraction(2),
+    lax.sqrt_p: Fraction(1, 2),
+    lax.rsqrt_p: Fraction(-1, 2),
+    lax.cbrt_p: Fraction(1, 3),
+}
+
+
+def _make_power_rule(primitive, power: Fraction):
+    def rule(x: Unitful, **params) -> Unitful:
+        return Unitful(primitive.bind(x.array, **params), x.unit**power)
+
+    rule.__name__ = rule.__qualname__ = _rule_name(primitive, "unitful")
+    return rule
+
+
+for _primitive, _power in _POWERS.items():
+    quaxlike.register(_primitive)(_make_power_rule(_primitive, _power))
+
+
+@quaxlike.register(lax.reduce_prod_p)
+def reduce_prod_p_unitful(x: Unitful, *, axes, **params) -> Unitful:
+    count = math.prod(x.shape[a] for a in axes)
+    return Unitful(lax.reduce_prod_p.bind(x.array, axes=axes, **params), x.unit**count)
+
+
+@quaxlike.register(lax.pow_p)
+def pow_p_unitful(x: Unitful | ArrayLike, y: Unitful | ArrayLike, **params) -> Unitful:
+    if isinstance(x, Unitful) and not x.unit.dimensionless:
+        raise UnitError(_POW_MSG.format(unit=x.unit))
+    base = _require_dimensionless(lax.pow_p, x, 0) if isinstance(x, Unitful) else x
+    exponent = _require_dimensionless(lax.pow_p, y, 1) if isinstance(y, Unitful) else y
+    return Unitful(lax.pow_p.bind(base, exponent, **params), dimensionless)
+
+
+# --- dimensionless-only primitives -----------------------------------------------
+
+_NEEDS_DIMENSIONLESS = [
+    lax.exp_p,
+    lax.exp2_p,
+    lax.log_p,
+    lax.log1p_p,
+    lax.expm1_p,
+    lax.sin_p,
+    lax.cos_p,
+    lax.tan_p,
+    lax.asin_p,
+    lax.acos_p,
+    lax.atan_p,
+    lax.sinh_p,
+    lax.cosh_p,
+    lax.tanh_p,
+    lax.asinh_p,
+    lax.acosh_p,
+    lax.atanh_p,
+    lax.logistic_p,
+    lax.erf_p,
+    lax.erfc_p,
+    lax.erf_inv_p,
+    lax.lgamma_p,
+    lax.digamma_p,
+    lax.cumlogsumexp_p,
+    lax.cumprod_p,
+]
+
+
+def _make_dimensionless_rule(primitive):
+    def rule(x: Unitful, **params) -> Unitful:
+        number = _require_dimensionless(primitive, x)
+        return Unitful(primitive.bind(number, **params), dimensionless)
+
+    rule.__name__ = rule.__qualname__ = _rule_name(primitive, "unitful")
+    return rule
+
+
+for _primitive in _NEEDS_DIMENSIONLESS:
+    quaxlike.register(_primitive)(_make_dimensionless_rule(_primitive))

@@ -1,0 +1,176 @@
+"""The `Unitful` type: an array with a physical unit."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import ArrayLike
+
+import quaxlike
+from quaxlike.internal import materialise_value, ShapedArray
+
+from ._unit import dimensionless, Unit
+
+
+class UnitError(quaxlike.QuaxlikeError):
+    """The units of a primitive's arguments do not fit it: different dimensions
+    where they must agree, or a dimensioned quantity where a pure number is needed.
+    """
+
+
+_REFUSE_MATERIALISE_MSG = (
+    "Refusing to turn a Unitful quantity in {unit} into a plain array: that would "
+    "silently drop its unit. Take the number explicitly with `.array` (the value in "
+    "{unit}) or `.to(other_unit).array`; only dimensionless quantities become plain "
+    "arrays on their own."
+)
+_NO_RULE_MSG = (
+    "Primitive `{primitive}` has no unit rule, and its arguments include a quantity "
+    "in {unit} (argument {position}); applying it to the bare numbers would give a "
+    "result whose unit nobody knows. Primitives without a rule only accept "
+    "dimensionless quantities. Ways out: divide by a reference quantity first so the "
+    "argument is dimensionless; take the number with `.array` outside `quaxify`; or "
+    "register a rule:\n"
+    '    @quaxlike.register("{primitive}")\n'
+    "    def {rule_name}(x: Unitful, **params): ..."
+)
+_NOT_FLOAT_MSG = (
+    "Cannot convert a quantity of dtype {dtype} from {source} to {target}: the factor "
+    "{factor:g} is not a whole number. Convert the array to a floating dtype first."
+)
+
+
+def convert_array(array: Any, source: Unit, target: Unit) -> Any:
+    """The numbers of a quantity in `source` expressed in `target` (same dtype).
+
+    The identity when the scales agree; raises `UnitError` if the dimensions differ
+    or an integer array would need a fractional factor.
+    """
+    if not source.same_dimensions(target):
+        raise UnitError(
+            f"Cannot convert a quantity in {source} to {target}: their dimensions differ."
+        )
+    factor = source.factor_to(target)
+    if factor == 1.0:
+        return array
+    dtype = jnp.result_type(array)
+    if not jnp.issubdtype(dtype, jnp.inexact) and not float(factor).is_integer():
+        raise UnitError(
+            _NOT_FLOAT_MSG.format(dtype=dtype, source=source, target=target, factor=factor)
+        )
+    return lax.mul(array, jnp.asarray(factor, dtype=dtype))
+
+
+class Unitful(quaxlike.ArrayValue):
+    """An array of numbers together with the physical unit they are measured in.
+
+    Inside `quaxlike.quaxify`, ordinary JAX code computes with it as with an
+    array, and the unit follows along: products and quotients multiply and divide
+    units, `x**2` and `jnp.sqrt` take powers of them, sums, reductions, indexing and
+    reshapes keep them. Adding, subtracting, comparing or taking the maximum of
+    quantities with different dimensions raises a `UnitError` naming both units and
+    the primitive; quantities with the same dimensions but different scales
+    (`km` and `m`) are converted to the unit of the first. Plain arrays count as
+    dimensionless numbers: they multiply anything, but only add to dimensionless
+    quantities. `exp`, `log`, `sin` and the other transcendental functions need a
+    dimensionless argument.
+
+    The unit is a static field, so it is part of the PyTree structure: `jax.jit`
+    compiles once per unit, and `lax.scan`/`lax.while_loop` carries must keep their
+    unit.
+
+    **Arguments:**
+
+    - `array`: the numbers, in `unit`.
+    - `unit`: a `Unit`, such as `m / s` (default: dimensionless).
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import quaxlike
+        from quaxlike.examples.unitful import kg, m, s, Unitful
+
+        mass = Unitful(jnp.array(2.0), kg)
+        velocity = Unitful(jnp.array([3.0, 4.0]), m / s)
+        energy = quaxlike.quaxify(lambda m, v: 0.5 * m * jnp.sum(v**2))(mass, velocity)
+        print(energy.array, energy.unit)  # 25.0 kg*m^2/s^2
+        ```
+    """
+
+    array: ArrayLike
+    unit: Unit = eqx.field(static=True)
+
+    def __init__(self, array: ArrayLike, unit: Unit = dimensionless):
+        if not isinstance(unit, Unit):
+            raise TypeError(
+                f"Unitful's `unit` must be a `Unit` (such as `m / s`); got {unit!r} of "
+                f"type {type(unit).__qualname__}."
+            )
+        self.array = array if isinstance(array, jax.Array) else jnp.asarray(array)
+        self.unit = unit
+
+    def aval(self) -> ShapedArray:
+        aval = jax.typeof(self.array)
+        return ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+    def materialise(self) -> Any:
+        if not self.unit.dimensionless:
+            raise UnitError(_REFUSE_MATERIALISE_MSG.format(unit=self.unit))
+        return convert_array(self.array, self.unit, self.unit.si)
+
+    def to(self, unit: Unit) -> "Unitful":
+        """The same quantity expressed in `unit`.
+
+        **Arguments:**
+
+        - `unit`: a unit with the same dimensions (`km` for a quantity in `m`).
+
+        **Returns:**
+
+        A `Unitful` in `unit`, its numbers multiplied by the conversion factor.
+
+        **Raises:**
+
+        `UnitError` if the dimensions differ.
+        """
+        return Unitful(convert_array(self.array, self.unit, unit), unit)
+
+    @staticmethod
+    def default(
+        primitive: jax.extend.core.Primitive,
+        values: Sequence[Any],
+        params: dict[str, Any],
+    ) -> Any:
+        # A primitive with no unit rule: fine for pure numbers, refused otherwise.
+        for position, value in enumerate(values):
+            if isinstance(value, Unitful) and not value.unit.dimensionless:
+                raise UnitError(
+                    _NO_RULE_MSG.format(
+                        primitive=primitive.name,
+                        unit=value.unit,
+                        position=position,
+                        rule_name=f"{primitive.name.replace('-', '_')}_p_unitful",
+                    )
+                )
+        arrays = [
+            materialise_value(v, primitive) if isinstance(v, quaxlike.Value) else v for v in values
+        ]
+        out = primitive.bind(*arrays, **params)
+        if primitive.multiple_results:
+            return [_as_dimensionless(o) for o in out]
+        return _as_dimensionless(out)
+
+
+def _as_dimensionless(x: Any) -> Any:
+    # Numbers computed from dimensionless quantities stay quantities (so that the
+    # results of `quaxify` keep their type); booleans and integers (indices, masks)
+    # come back as plain arrays.
+    if jnp.issubdtype(np.result_type(x.dtype), jnp.inexact):
+        return Unitful(x, dimensionless)
+    return x
