@@ -2,7 +2,6 @@
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
