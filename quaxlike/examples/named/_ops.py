@@ -1,0 +1,162 @@
+"""Operations addressed by axis name: `rename`, `align`, `sum` and `dot`.
+
+Their array arguments are annotated `NamedArray | ArrayLike` so that a plain
+array (or a tracer, inside `quaxify`) reaches the check below and gets an error
+that says why it cannot have names there.
+
+They take `NamedArray`s themselves, so they are called outside `quaxify` (and
+work under `jax.jit`, `jax.grad` and `jax.vmap`). Each one turns names into
+positions and runs the positional operation through `quaxify`, so the rules
+check and carry the names as usual.
+"""
+
+from collections.abc import Mapping, Sequence
+
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, ArrayLike
+
+import quaxlike
+
+from ._value import Axis, check_axes, NamedArray, NamedAxisError
+
+
+_NOT_NAMED_MSG = (
+    "`{fn}` takes NamedArrays; got {type_name} for `{arg}`. Inside a quaxified "
+    "function a NamedArray is seen as a plain array, so `{fn}` cannot read its names "
+    "there: call `{fn}` outside `quaxify` (it works under jax.jit, jax.grad and "
+    "jax.vmap), or use the positional operation inside (its names are still checked). "
+    "To give a plain array names, wrap it: `NamedArray(array, axes)`."
+)
+_ALIGN_MSG = (
+    "`align`: {axes} must list each name of the array's axes {have} exactly once "
+    "(and the array can have no unnamed axes)."
+)
+_DOT_SIZE_MSG = (
+    "`dot`: axis {name!r} has length {left} in the left operand and {right} in the "
+    "right one; axes with the same name must have the same length."
+)
+
+
+def _require_named(x, fn: str, arg: str) -> NamedArray:
+    if not isinstance(x, NamedArray):
+        raise NamedAxisError(_NOT_NAMED_MSG.format(fn=fn, arg=arg, type_name=type(x).__name__))
+    return x
+
+
+def _as_names(axis: str | Sequence[str]) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def rename(x: NamedArray | ArrayLike, mapping: Mapping[str, Axis]) -> NamedArray:
+    """Rename some axes of `x`. Costs nothing: the array is unchanged.
+
+    **Arguments:**
+
+    - `x`: a `NamedArray`.
+    - `mapping`: old name -> new name (None removes the name).
+
+    **Returns:**
+
+    A `NamedArray` with the same array and the new names.
+
+    !!! example
+
+        ```python
+        w = NamedArray(jnp.ones((3, 4)), ("in", "out"))
+        rename(w, {"in": "feature"}).axes  # ("feature", "out")
+        ```
+    """
+    x = _require_named(x, "rename", "x")
+    for old in mapping:
+        x.position(old, "rename")
+    return NamedArray(x.array, tuple(mapping.get(name, name) for name in x.axes))
+
+
+def align(x: NamedArray | ArrayLike, axes: Sequence[str]) -> NamedArray:
+    """Transpose `x` so that its axes come in the order `axes`.
+
+    **Arguments:**
+
+    - `x`: a fully named `NamedArray`.
+    - `axes`: its axis names in the wanted order.
+
+    **Returns:**
+
+    The transposed `NamedArray`, with `axes` as its names.
+    """
+    x = _require_named(x, "align", "x")
+    axes = tuple(axes)
+    if None in x.axes or sorted(axes) != sorted(x.axes):  # pyright: ignore
+        raise NamedAxisError(_ALIGN_MSG.format(axes=axes, have=x.axes))
+    permutation = tuple(x.axes.index(name) for name in axes)
+    return quaxlike.quaxify(lambda a: jnp.transpose(a, permutation))(x)
+
+
+def sum(x: NamedArray | ArrayLike, axis: str | Sequence[str]) -> NamedArray | Array:  # noqa: A001
+    """Sum `x` over the named axis or axes.
+
+    **Arguments:**
+
+    - `x`: a `NamedArray`.
+    - `axis`: a name, or a sequence of names.
+
+    **Returns:**
+
+    A `NamedArray` with the remaining axes (a plain array when no named axis
+    remains).
+
+    !!! example
+
+        ```python
+        x = NamedArray(jnp.ones((2, 3)), ("batch", "feature"))
+        sum(x, "batch").axes  # ("feature",)
+        ```
+    """
+    x = _require_named(x, "sum", "x")
+    positions = tuple(x.position(name, "sum") for name in _as_names(axis))
+    return quaxlike.quaxify(lambda a: jnp.sum(a, axis=positions))(x)
+
+
+def dot(
+    x: NamedArray | ArrayLike, y: NamedArray | ArrayLike, axis: str | Sequence[str]
+) -> NamedArray | Array:
+    """Contract `x` and `y` over the named axis or axes, wherever they are.
+
+    Like `jnp.einsum` with names: the axes in `axis` are summed over; every other
+    name the two share becomes a batch axis (matched, not multiplied out); the
+    rest are kept. The result's axes are the shared batch names (in `x`'s order),
+    then `x`'s other axes, then `y`'s.
+
+    **Arguments:**
+
+    - `x`, `y`: `NamedArray`s; each has every name in `axis`.
+    - `axis`: the name, or a sequence of names, to contract.
+
+    **Returns:**
+
+    A `NamedArray` (a plain array when no named axis remains).
+
+    !!! example
+
+        ```python
+        x = NamedArray(jnp.ones((2, 3)), ("batch", "feature"))
+        w = NamedArray(jnp.ones((4, 3)), ("hidden", "feature"))
+        dot(x, w, "feature").axes  # ("batch", "hidden")
+        ```
+    """
+    x = _require_named(x, "dot", "x")
+    y = _require_named(y, "dot", "y")
+    contract = _as_names(axis)
+    check_axes(contract, (0,) * len(contract))  # no repeats or non-strings
+    batch = tuple(n for n in x.axes if n is not None and n in y.axes and n not in contract)
+    left = tuple(x.position(name, "dot") for name in contract + batch)
+    right = tuple(y.position(name, "dot") for name in contract + batch)
+    for name, i, j in zip(contract + batch, left, right):
+        if x.array.shape[i] != y.array.shape[j]:
+            raise NamedAxisError(
+                _DOT_SIZE_MSG.format(name=name, left=x.array.shape[i], right=y.array.shape[j])
+            )
+    k = len(contract)
+    dimension_numbers = ((left[:k], right[:k]), (left[k:], right[k:]))
+    return quaxlike.quaxify(lambda a, b: lax.dot_general(a, b, dimension_numbers))(x, y)

@@ -1,0 +1,139 @@
+"""`NamedArray`: an array whose axes carry names, and the error for mismatches."""
+
+from typing import TypeAlias
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike
+
+import quaxlike
+from quaxlike.internal import ShapedArray
+
+
+Axis: TypeAlias = str | None
+"""The name of one axis: a string, or `None` for an unnamed (positional) axis."""
+
+
+_BAD_AXES_MSG = (
+    "NamedArray: got {count} axis names {axes} for an array of shape {shape}; give "
+    "exactly one name per dimension (use None for an axis with no name)."
+)
+_STACKED_MSG = (
+    "NamedArray: the array has shape {shape} but there are {count} axis names {axes}. "
+    "This happens with a NamedArray that `jax.vmap` stacked (the new leading axis "
+    "has no name): map over it with `jax.vmap` again, or name the new axis with "
+    "`NamedArray(x.array, ('batch', *x.axes))`."
+)
+_DUPLICATE_MSG = (
+    "NamedArray: the axis name {name!r} appears more than once in {axes}; every name "
+    "must be unique (rename one with `rename`)."
+)
+_BAD_NAME_MSG = (
+    "NamedArray: axis names must be strings or None; got {name!r} of type {type_name} in {axes}."
+)
+_NO_SUCH_AXIS_MSG = (
+    "`{where}`: there is no axis named {name!r}; the axes are {axes}. Pick one of "
+    "those, or `rename` an axis first."
+)
+
+
+class NamedAxisError(quaxlike.QuaxlikeError):
+    """Raised when the axis names of `NamedArray`s do not fit an operation: two
+    different names meet, or a name is missing or repeated."""
+
+
+def check_axes(axes: tuple, shape: tuple[int, ...]) -> None:
+    for name in axes:
+        if name is not None and not isinstance(name, str):
+            raise NamedAxisError(
+                _BAD_NAME_MSG.format(name=name, type_name=type(name).__name__, axes=axes)
+            )
+    named = [name for name in axes if name is not None]
+    for name in named:
+        if named.count(name) > 1:
+            raise NamedAxisError(_DUPLICATE_MSG.format(name=name, axes=axes))
+    if len(axes) != len(shape):
+        raise NamedAxisError(_BAD_AXES_MSG.format(count=len(axes), axes=axes, shape=shape))
+
+
+class NamedArray(quaxlike.ArrayValue):
+    """An array with a name for each axis.
+
+    Inside `quaxify` a `NamedArray` behaves as its array, and the names ride
+    along and are checked:
+
+    - elementwise operations need the operands' names to agree axis by axis
+      (an unnamed axis, `None`, agrees with anything). When two fully named
+      operands hold the same names in a different order, the second is
+      transposed to match the first. Anything else raises `NamedAxisError`.
+    - `dot_general` (`@`, `jnp.dot`, `jnp.einsum`, ...) checks that each pair
+      of contracted axes has the same name, and the result carries the remaining
+      names in order: batch axes, then the left operand's, then the right's.
+    - reductions, transposes, `broadcast_in_dim`, `squeeze`, slicing and
+      size-1 reshapes move the names with the axes; new axes are unnamed.
+
+    A plain array counts as having no names. A result with no names left is
+    returned as a plain array; so is the result of an operation with no rule
+    (for example a reshape that merges axes). To work by name rather than by
+    position, use `dot`, `sum`, `align` and `rename` on `NamedArray`s outside
+    `quaxify` (inside it, a `NamedArray` is seen as an array).
+
+    **Arguments:**
+
+    - `array`: the array.
+    - `axes`: one name per dimension: a string, or None for an unnamed axis. Names
+        are unique and static (part of the PyTree structure, not traced).
+
+    !!! example
+
+        ```python
+        x = NamedArray(jnp.ones((2, 3)), ("batch", "feature"))
+        w = NamedArray(jnp.ones((3, 4)), ("feature", "hidden"))
+        y = quaxlike.quaxify(lambda x, w: jnp.tanh(x @ w))(x, w)
+        y.axes  # ("batch", "hidden")
+        ```
+    """
+
+    array: Array
+    axes: tuple[Axis, ...] = eqx.field(static=True)
+
+    # `axes` is annotated loosely so that bad names get the error below, which
+    # says what a name may be, rather than a generic type-check failure.
+    def __init__(self, array: ArrayLike, axes: tuple | list):
+        array = jnp.asarray(array)
+        axes = tuple(axes)
+        check_axes(axes, array.shape)
+        self.array = array
+        self.axes = axes
+
+    def aval(self) -> ShapedArray:
+        aval = jax.typeof(self.array)
+        if len(self.axes) != len(aval.shape):
+            raise NamedAxisError(
+                _STACKED_MSG.format(shape=aval.shape, count=len(self.axes), axes=self.axes)
+            )
+        return ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+    def materialise(self) -> Array:
+        return self.array
+
+    def position(self, name: str, where: str = "NamedArray.position") -> int:
+        """The position of the axis called `name`.
+
+        **Arguments:**
+
+        - `name`: an axis name.
+        - `where`: the function to name in the error if there is no such axis.
+
+        **Returns:**
+
+        Its index in `axes`.
+        """
+        if name is None or name not in self.axes:
+            raise NamedAxisError(_NO_SUCH_AXIS_MSG.format(where=where, name=name, axes=self.axes))
+        return self.axes.index(name)
+
+    def axis_size(self, name: str) -> int:
+        """The length of the axis called `name`."""
+        return self.array.shape[self.position(name, "NamedArray.axis_size")]
