@@ -14,8 +14,23 @@ import pytest  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-# Every test runs with JAX's tracer-leak checker on (JAX_CHECK_TRACER_LEAKS=1).
+# JAX's tracer-leak checker (JAX_CHECK_TRACER_LEAKS=1) is on for every test of the
+# framework itself. It also switches JAX's compilation caches off, so every eager
+# operation compiles afresh: the example types' tests (tests/examples), which
+# exercise rules rather than the trace machinery, run without it. Leaks come from
+# the core, and the core's tests, the conformance subset and the multi-device
+# tests keep it on.
 jax.config.update("jax_check_tracer_leaks", True)
+_WITHOUT_LEAK_CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples")
+
+
+@pytest.fixture(autouse=True)
+def _leak_checks_for_the_core(request):
+    if str(request.node.path).startswith(_WITHOUT_LEAK_CHECKS + os.sep):
+        with jax.check_tracer_leaks(False):
+            yield
+    else:
+        yield
 
 
 def pytest_addoption(parser):
