@@ -1,9 +1,10 @@
 """Low-rank adaptation: `LoraArray` stands for `W + A @ B` without building it."""
 
 from . import _rules  # noqa: F401  (registers LoraArray's rules)
-from ._value import (
-    LoraArray as LoraArray,
+from ._model import (
     loraify as loraify,
     merge as merge,
+    partition as partition,
     trainable_filter as trainable_filter,
 )
+from ._value import LoraArray as LoraArray

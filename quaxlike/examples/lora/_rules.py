@@ -1,5 +1,14 @@
-"""Rules for `LoraArray`. Every rule redispatches through `quaxify`, so the
-factors may themselves be Values (a LoRA whose `a` and `b` are `Zero`)."""
+"""Rules for `LoraArray`.
+
+Matrix products go through `dot_general` with the low-rank factors contracted one at
+a time, so `W + A @ B` is never formed. Structural primitives (transposes, slicing,
+indexing and reshaping of batch dimensions, scaling, dtype conversion) are applied to
+the three arrays and give another `LoraArray`. Every rule redispatches through
+`quaxify`, so the arrays may themselves be Values (a LoRA over a quantised weight, or
+whose factors are `Zero`).
+"""
+
+import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -10,106 +19,312 @@ import quaxlike
 from ._value import LoraArray
 
 
-def _dot(x, y, contract, batch, params):
-    return lax.dot_general(
-        x,
-        y,
-        (contract, batch),
+# --- matrix products ---------------------------------------------------------
+
+
+def _contract_pair(p, p_labels, q, q_labels, keep, params):
+    """`dot_general` of two operands described by einsum-style labels: labels they
+    share become batch dimensions if still needed (`keep`), else are contracted.
+    Returns the result and its labels (batch, then p's free, then q's free)."""
+    shared = [label for label in p_labels if label in q_labels]
+    batch = [label for label in shared if label in keep]
+    contract = [label for label in shared if label not in keep]
+    dimension_numbers = (
+        (tuple(p_labels.index(c) for c in contract), tuple(q_labels.index(c) for c in contract)),
+        (tuple(p_labels.index(c) for c in batch), tuple(q_labels.index(c) for c in batch)),
+    )
+    out = lax.dot_general(
+        p,
+        q,
+        dimension_numbers,
         precision=params.get("precision"),
         preferred_element_type=params.get("preferred_element_type"),
     )
+    labels = (
+        batch
+        + [label for label in p_labels if label not in shared]
+        + [label for label in q_labels if label not in shared]
+    )
+    return out, labels
 
 
-def _lora_on_left(w, a, b, other, dimension_numbers, params):
+def _dot_low_rank(a, b, other, lora_labels, other_labels, out_labels, lora_on_left, params):
+    """The product of `A @ B` (with `lora_labels`) and `other`, as `dot_general`
+    would lay it out (`out_labels`), contracting one factor with `other` first."""
+    *batch, m, n = lora_labels
+    rank_label = object()
+    a_labels = [*batch, m, rank_label]
+    b_labels = [*batch, rank_label, n]
+    # Start with the factor that shares the most with `other`: when the product
+    # contracts over n, (A (B x)) costs O((m + n) r) per column and never O(m n).
+    if n in other_labels or m not in other_labels:
+        first, first_labels, second, second_labels = b, b_labels, a, a_labels
+    else:
+        first, first_labels, second, second_labels = a, a_labels, b, b_labels
+    keep = set(out_labels) | set(second_labels)
+    if lora_on_left:
+        low, labels = _contract_pair(first, first_labels, other, other_labels, keep, params)
+    else:
+        low, labels = _contract_pair(other, other_labels, first, first_labels, keep, params)
+    low, labels = _contract_pair(second, second_labels, low, labels, set(out_labels), params)
+    permutation = tuple(labels.index(label) for label in out_labels)
+    if permutation != tuple(range(len(permutation))):
+        low = lax.transpose(low, permutation)
+    return low
+
+
+def _labels(dimension_numbers, lhs_ndim, rhs_ndim):
+    """Einsum-style labels (ints) for the operands and output of a `dot_general`."""
     (lc, rc), (lb, rb) = dimension_numbers
-    k = jnp.ndim(w) - 2
-    batch = tuple(range(k))
-    base = _dot(w, other, (lc, rc), (lb, rb), params)
-    if lc == (k + 1,):  # contract over n: (W + AB) x = W x + A (B x)
-        low = _dot(b, other, ((k + 1,), rc), (batch, rb), params)
-        low = _dot(a, low, ((k + 1,), (k,)), (batch, batch), params)
-    else:  # contract over m: (W + AB)^T x = W^T x + B^T (A^T x)
-        low = _dot(a, other, ((k,), rc), (batch, rb), params)
-        low = _dot(b, low, ((k,), (k,)), (batch, batch), params)
+    lhs = list(range(lhs_ndim))
+    rhs = list(range(lhs_ndim, lhs_ndim + rhs_ndim))
+    for i, j in zip((*lc, *lb), (*rc, *rb)):
+        rhs[j] = lhs[i]
+    lhs_free = [lhs[i] for i in range(lhs_ndim) if i not in lc and i not in lb]
+    rhs_free = [rhs[j] for j in range(rhs_ndim) if j not in rc and j not in rb]
+    out = [lhs[i] for i in lb] + lhs_free + rhs_free
+    return lhs, rhs, out
+
+
+def _lora_dot(lhs, rhs, w, a, b, lora_on_left, dimension_numbers, params):
+    lhs_labels, rhs_labels, out_labels = _labels(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
+    base = lax.dot_general(
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=params.get("precision"),
+        preferred_element_type=params.get("preferred_element_type"),
+        out_sharding=params.get("out_sharding"),
+    )
+    if lora_on_left:
+        low = _dot_low_rank(a, b, rhs, lhs_labels, rhs_labels, out_labels, True, params)
+    else:
+        low = _dot_low_rank(a, b, lhs, rhs_labels, lhs_labels, out_labels, False, params)
+    if low.dtype != base.dtype:
+        low = low.astype(base.dtype)
     return base + low
-
-
-def _lora_on_right(other, w, a, b, dimension_numbers, params):
-    (lc, rc), (lb, rb) = dimension_numbers
-    k = jnp.ndim(w) - 2
-    batch = tuple(range(k))
-    base = _dot(other, w, (lc, rc), (lb, rb), params)
-    if rc == (k,):  # contract over m: x (W + AB) = x W + (x A) B
-        low = _dot(other, a, (lc, (k,)), (lb, batch), params)
-        low = _dot(low, b, ((jnp.ndim(low) - 1,), (k,)), (batch, batch), params)
-    else:  # contract over n: x (W + AB)^T = x W^T + (x B^T) A^T
-        low = _dot(other, b, (lc, (k + 1,)), (lb, batch), params)
-        low = _dot(low, a, ((jnp.ndim(low) - 1,), (k + 1,)), (batch, batch), params)
-    return base + low
-
-
-def _supported(lora: LoraArray, contract, batch) -> bool:
-    k = lora.ndim - 2
-    return tuple(batch) == tuple(range(k)) and len(contract) == 1 and contract[0] in (k, k + 1)
 
 
 @quaxlike.register(lax.dot_general_p)
 def dot_general_p_lora_any(
     x: LoraArray, y: ArrayLike | quaxlike.ArrayValue, *, dimension_numbers, **params
 ):
-    (lc, _), (lb, _) = dimension_numbers
-    if not _supported(x, lc, lb):
-        return NotImplemented
-    return quaxlike.quaxify(_lora_on_left)(
-        x.frozen_weight(), x.a, x.b, y, dimension_numbers, params
-    )
+    # W y + (A @ B) y, for any dimension numbers: batch dimensions of the LoRA may
+    # be contracted, batched or free (as `jax.vmap` leaves them).
+    w = x.frozen_weight()
+
+    def product(w, a, b, y):
+        return _lora_dot(w, y, w, a, b, True, dimension_numbers, params)
+
+    return quaxlike.quaxify(product)(w, x.a, x.b, y)
 
 
 @quaxlike.register(lax.dot_general_p)
 def dot_general_p_any_lora(
     x: ArrayLike | quaxlike.ArrayValue, y: LoraArray, *, dimension_numbers, **params
 ):
-    (_, rc), (_, rb) = dimension_numbers
-    if not _supported(y, rc, rb):
-        return NotImplemented
-    return quaxlike.quaxify(_lora_on_right)(
-        x, y.frozen_weight(), y.a, y.b, dimension_numbers, params
-    )
+    w = y.frozen_weight()
+
+    def product(x, w, a, b):
+        return _lora_dot(x, w, w, a, b, False, dimension_numbers, params)
+
+    return quaxlike.quaxify(product)(x, w, y.a, y.b)
 
 
 @quaxlike.register(lax.dot_general_p)
 def dot_general_p_lora_lora(x: LoraArray, y: LoraArray, **params):
-    # The left LoRA is expanded; the products with `y` redispatch to its rule.
+    # The left LoRA is expanded; its products with `y` redispatch to the rule above.
     return dot_general_p_lora_any(x, y, **params)
+
+
+# --- structural primitives ---------------------------------------------------
+#
+# Each rule transforms the three arrays of a LoraArray: `w` (*batch, m, n), `a`
+# (*batch, m, r) and `b` (*batch, r, n). `_per_array` turns the primitive's per-axis
+# parameters for `w` into those for `a` and `b`.
+
+
+def _per_array(x: LoraArray, per_axis, rank_item):
+    """Per-axis items for `w` (`per_axis`, length `x.ndim`) as items for `w`, `a`
+    and `b`: the rank axis of the factors gets `rank_item`."""
+    *batch, m, n = per_axis
+    return tuple(per_axis), (*batch, m, rank_item), (*batch, rank_item, n)
+
+
+def _apply(x: LoraArray, fw, fa, fb) -> LoraArray:
+    """A LoraArray whose arrays are `fw(w)`, `fa(a)` and `fb(b)`, each run under
+    `quaxify` in case the array is itself a Value."""
+    w, a, b = (quaxlike.quaxify(f)(v) for f, v in ((fw, x.w), (fa, x.a), (fb, x.b)))
+    return x.with_factors(w, a, b)
+
+
+def _apply_each(x: LoraArray, make, items) -> LoraArray:
+    return _apply(x, *(make(item) for item in items))
+
+
+def _batch_axes(x: LoraArray) -> int:
+    return x.ndim - 2
 
 
 @quaxlike.register(lax.transpose_p)
 def transpose_p_lora(x: LoraArray, *, permutation, **params):
-    k = x.ndim - 2
-    if set(permutation[k:]) != {k, k + 1} or sorted(permutation[:k]) != list(range(k)):
-        return NotImplemented
-    t = quaxlike.quaxify(lambda v: lax.transpose(v, permutation))
+    k = _batch_axes(x)
+    if sorted(permutation[:k]) != list(range(k)):
+        return NotImplemented  # a matrix axis would move into the batch axes
+    t = lambda v: lax.transpose(v, permutation)  # noqa: E731
+    out = _apply(x, t, t, t)
     if tuple(permutation[k:]) == (k, k + 1):
-        return x.with_factors(t(x.w), t(x.a), t(x.b))
-    # (W + AB)^T = W^T + B^T A^T
-    return x.with_factors(t(x.w), t(x.b), t(x.a))
+        return out
+    # (W + A B)^T = W^T + B^T A^T
+    return out.with_factors(out.w, out.b, out.a)
+
+
+@quaxlike.register(lax.slice_p)
+def slice_p_lora(x: LoraArray, *, start_indices, limit_indices, strides, **params):
+    # Rows of W + A B are rows of W and A; columns are columns of W and B.
+    strides = (1,) * x.ndim if strides is None else strides
+    per_axis = list(zip(start_indices, limit_indices, strides))
+
+    def slicer(item):
+        starts, limits, steps = zip(*item)
+        return lambda v: lax.slice(v, starts, limits, steps)
+
+    return _apply_each(x, slicer, _per_array(x, per_axis, (0, x.rank, 1)))
+
+
+@quaxlike.register(lax.dynamic_slice_p)
+def dynamic_slice_p_lora(x: LoraArray, *indices: ArrayLike, slice_sizes, **params):
+    if len(indices) != x.ndim:
+        return NotImplemented  # dynamic shapes
+    zero = jnp.zeros((), jnp.result_type(indices[0]))
+    per_axis = list(zip(indices, slice_sizes))
+
+    def slicer(item):
+        starts, sizes = zip(*item)
+        return lambda v: lax.dynamic_slice(v, starts, sizes)
+
+    return _apply_each(x, slicer, _per_array(x, per_axis, (zero, x.rank)))
+
+
+@quaxlike.register(lax.squeeze_p)
+def squeeze_p_lora(x: LoraArray, *, dimensions, **params):
+    k = _batch_axes(x)
+    squeeze = lambda v: lax.squeeze(v, dimensions)  # noqa: E731
+    if all(d < k for d in dimensions):
+        return _apply(x, squeeze, squeeze, squeeze)
+    # A matrix axis of size 1 goes: what is left is a row or column of W + A B,
+    # which costs O((m + n) r) to build.
+    row = quaxlike.quaxify(lambda w, a, b: squeeze(w + jnp.matmul(a, b)))
+    return row(x.frozen_weight(), x.a, x.b)
+
+
+@quaxlike.register(lax.reshape_p)
+def reshape_p_lora(x: LoraArray, *, new_sizes, dimensions, **params):
+    *batch, m, n = x.shape
+    new_sizes = tuple(new_sizes)
+    if dimensions is not None or len(new_sizes) < 2 or new_sizes[-2:] != (m, n):
+        return NotImplemented  # the matrix axes would change
+    if math.prod(new_sizes[:-2]) != math.prod(batch):
+        return NotImplemented
+    sizes = _per_array(x, list(new_sizes), x.rank)
+    return _apply_each(x, lambda s: lambda v: lax.reshape(v, s), sizes)
+
+
+@quaxlike.register(lax.broadcast_in_dim_p)
+def broadcast_in_dim_p_lora(x: LoraArray, *, shape, broadcast_dimensions, **params):
+    # Adding or broadcasting batch dimensions; the matrix axes must stay last.
+    *_, m, n = x.shape
+    out_ndim = len(shape)
+    matrix_axes = (out_ndim - 2, out_ndim - 1)
+    if tuple(shape[-2:]) != (m, n) or tuple(broadcast_dimensions[-2:]) != matrix_axes:
+        return NotImplemented
+    shapes = _per_array(x, list(shape), x.rank)
+    return _apply_each(
+        x, lambda s: lambda v: lax.broadcast_in_dim(v, s, broadcast_dimensions), shapes
+    )
+
+
+_GATHER_MODES = (lax.GatherScatterMode.CLIP, lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+@quaxlike.register(lax.gather_p)
+def gather_p_lora(x: LoraArray, indices: ArrayLike, *, dimension_numbers, slice_sizes, **params):
+    # Gathers that pick along the batch axes and take whole matrices, as `x[idx]`
+    # and `jax.vmap` of `x[i]` do. Indices along the matrix axes (always 0 for a
+    # whole-matrix slice, after clipping) apply equally to the factors' axes.
+    k = _batch_axes(x)
+    *_, m, n = x.shape
+    numbers = dimension_numbers
+    mode = params.get("mode")
+    fill_value = params.get("fill_value")
+    if mode == lax.GatherScatterMode.FILL_OR_DROP:
+        # An out-of-bounds window is filled: W + A B stays `fill` only for 0 or NaN.
+        if not (fill_value is None or fill_value == 0):
+            return NotImplemented
+    elif mode not in _GATHER_MODES:
+        return NotImplemented
+    out_ndim = len(numbers.offset_dims) + jnp.ndim(indices) - 1
+    if (
+        tuple(slice_sizes[k:]) != (m, n)
+        or any(d >= k for d in (*numbers.collapsed_slice_dims, *numbers.operand_batching_dims))
+        or tuple(numbers.offset_dims[-2:]) != (out_ndim - 2, out_ndim - 1)
+    ):
+        return NotImplemented
+
+    def gatherer(sizes):
+        return lambda v: lax.gather_p.bind(
+            v, indices, dimension_numbers=numbers, slice_sizes=sizes, **params
+        )
+
+    return _apply_each(x, gatherer, _per_array(x, list(slice_sizes), x.rank))
+
+
+# --- elementwise: scaling, negation, dtype -----------------------------------
+
+
+def _scale_by(x: LoraArray, scale, op) -> LoraArray:
+    # (W + A B) s = (W s) + (A s) B. Known limitation: for a frozen W, `W s` is then
+    # behind the stop_gradient too, so a gradient with respect to a traced `s` misses
+    # the `W` term (see README.md). Keeping `s` apart from `W` would fix that, at the
+    # price of a LoraArray whose `w` no longer holds its weight, and since constants
+    # are traced under `jit` too, that would happen to every scaled LoRA.
+    scaled = lambda v: op(v, scale)  # noqa: E731
+    return _apply(x, scaled, scaled, lambda v: v)
 
 
 @quaxlike.register(lax.mul_p)
 def mul_p_lora_scalar(x: LoraArray, y: ArrayLike, **params):
     if jnp.ndim(y) != 0:
         return NotImplemented
-    scale = quaxlike.quaxify(lambda v: v * y)
-    return x.with_factors(scale(x.w), scale(x.a), x.b)
+    return _scale_by(x, y, lax.mul)
+
+
+@quaxlike.register(lax.div_p)
+def div_p_lora_scalar(x: LoraArray, y: ArrayLike, **params):
+    if jnp.ndim(y) != 0:
+        return NotImplemented
+    return _scale_by(x, y, lax.div)
 
 
 @quaxlike.register(lax.neg_p)
 def neg_p_lora(x: LoraArray, **params):
-    neg = quaxlike.quaxify(lax.neg)
-    return x.with_factors(neg(x.w), neg(x.a), x.b)
+    return _apply(x, lax.neg, lax.neg, lambda v: v)
 
 
 @quaxlike.register(lax.convert_element_type_p)
 def convert_element_type_p_lora(x: LoraArray, *, new_dtype, **params):
-    convert = quaxlike.quaxify(lambda v: lax.convert_element_type(v, new_dtype))
-    return x.with_factors(convert(x.w), convert(x.a), convert(x.b))
+    if not jnp.issubdtype(new_dtype, jnp.inexact):
+        return NotImplemented  # rounding W + A B is not rounding W, A and B
+    convert = lambda v: lax.convert_element_type(v, new_dtype)  # noqa: E731
+    return _apply(x, convert, convert, convert)
+
+
+@quaxlike.register(lax.copy_p)
+def copy_p_lora(x: LoraArray, **params):
+    return x
+
+
+@quaxlike.register("stop_gradient")
+def stop_gradient_p_lora(x: LoraArray, **params):
+    stop = lax.stop_gradient
+    return _apply(x, stop, stop, stop)

@@ -1,0 +1,264 @@
+"""Working with whole models: `loraify`, `trainable_filter`, `partition`, `merge`."""
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax.random as jr
+import jax.tree_util as jtu
+from jaxtyping import PRNGKeyArray, PyTree
+
+from ._value import _dense, LoraArray
+
+
+_NO_MATCH_MSG = (
+    "`loraify(..., where={where!r})` selected no leaf of the model, so nothing would "
+    "be adapted. Patterns are matched against dotted paths built from attribute "
+    "names, sequence indices and dict keys; `*` stands for one component and `**` "
+    "for any number of them. Some paths in this model: {paths}."
+)
+_NOT_A_MATRIX_MSG = (
+    "`loraify(..., where={where!r})` selected the leaf `{path}`, which is {what}; "
+    "only floating-point arrays with at least two dimensions `(*batch, m, n)` can "
+    "get a low-rank update. Make the pattern or predicate more specific (for "
+    "example end it with `.weight`)."
+)
+_NO_LINEAR_MSG = (
+    "`loraify(model, ...)` found no `eqx.nn.Linear` in the model, so nothing would be "
+    "adapted. To adapt other weights (convolutions, attention projections stored as "
+    "arrays, ...), select them with `where=`: a dotted path pattern such as "
+    "'blocks.*.conv.weight', or a predicate `(path, leaf) -> bool`."
+)
+_BAD_WHERE_MSG = (
+    "`loraify(..., where=...)` takes None (every `eqx.nn.Linear` weight), a path "
+    "pattern string such as 'layers.*.weight', a sequence of such strings, or a "
+    "predicate `(path: str, leaf) -> bool`; got {got!r}."
+)
+
+
+def _is_lora(x: Any) -> bool:
+    return isinstance(x, LoraArray)
+
+
+def _component(key: Any) -> str:
+    if isinstance(key, jtu.GetAttrKey):
+        return key.name
+    if isinstance(key, jtu.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jtu.DictKey):
+        return str(key.key)
+    if isinstance(key, jtu.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def dotted_path(key_path: Sequence[Any]) -> str:
+    """The dotted string for a JAX key path: `layers.0.weight` for
+    `(GetAttrKey('layers'), SequenceKey(0), GetAttrKey('weight'))`."""
+    return ".".join(_component(k) for k in key_path)
+
+
+def _glob(pattern: list[str], path: list[str]) -> bool:
+    """Match path components against pattern components, where `*`-style wildcards
+    apply within one component and `**` matches any number of components."""
+    if not pattern:
+        return not path
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_glob(rest, path[i:]) for i in range(len(path) + 1))
+    return bool(path) and fnmatch.fnmatchcase(path[0], head) and _glob(rest, path[1:])
+
+
+def _as_predicate(where: Any) -> Callable[[str, Any], bool]:
+    if isinstance(where, str):
+        where = [where]
+    if isinstance(where, (list, tuple)) and all(isinstance(p, str) for p in where):
+        patterns = [p.split(".") for p in where]
+        return lambda path, leaf: any(_glob(p, path.split(".")) for p in patterns)
+    if callable(where):
+        return where
+    raise TypeError(_BAD_WHERE_MSG.format(got=where))
+
+
+def _linear_weight_paths(model: PyTree) -> set[str]:
+    is_linear = lambda x: isinstance(x, eqx.nn.Linear)  # noqa: E731
+    found = jtu.tree_flatten_with_path(model, is_leaf=is_linear)[0]
+    return {
+        dotted_path((*path, jtu.GetAttrKey("weight"))) for path, leaf in found if is_linear(leaf)
+    }
+
+
+def _is_matrix(leaf: Any) -> bool:
+    if not eqx.is_inexact_array(leaf):
+        return False
+    return leaf.ndim >= 2
+
+
+def loraify(
+    model: PyTree,
+    *,
+    rank: int,
+    key: PRNGKeyArray,
+    where: str | Sequence[str] | Callable[[str, Any], bool] | None = None,
+    scale: float = 0.01,
+    allow_materialise: bool = False,
+    stop_gradient: bool = True,
+) -> PyTree:
+    """Replace weights in `model` by `LoraArray`s.
+
+    By default every `eqx.nn.Linear`'s weight is replaced (including the stacked
+    weights of Linears built with `eqx.filter_vmap`, which become `LoraArray`s with
+    batch dimensions). `where` selects other leaves instead, by the dotted path of
+    each leaf: attribute names, sequence indices and dict keys joined by `.`, such
+    as `layers.0.weight` in an `eqx.nn.MLP`. Leaves that are already `LoraArray`s
+    are left alone.
+
+    **Arguments:**
+
+    - `model`: any PyTree, usually an Equinox model.
+    - `rank`, `scale`, `allow_materialise`, `stop_gradient`: as for `LoraArray`.
+    - `key`: a PRNG key, split across the replaced weights.
+    - `where`: which leaves to replace. One of:
+        - `None`: the weight of every `eqx.nn.Linear`;
+        - a pattern string, matched against each leaf's dotted path, where `*`
+          matches one component (or part of one, as in `lin*`), and `**` matches
+          any number of components: `"layers.*.weight"`, `"**.weight"`;
+        - a sequence of pattern strings (a leaf matching any is selected);
+        - a predicate `where(path: str, leaf) -> bool` on the dotted path and
+          the leaf.
+
+    **Returns:**
+
+    The model with LoRA weights. Call it as `quaxlike.quaxify(model)(x)`.
+
+    **Raises:**
+
+    `ValueError` if `where` selects nothing (or, without `where`, the model has no
+    `eqx.nn.Linear`), or selects a leaf that is not a floating-point array with at
+    least two dimensions.
+
+    !!! example
+
+        ```python
+        mlp = eqx.nn.MLP(16, 4, 64, depth=2, key=jr.key(0))
+        model = loraify(mlp, rank=4, key=jr.key(1))  # every Linear weight
+        first = loraify(mlp, rank=4, key=jr.key(1), where="layers.0.weight")
+        y = quaxlike.quaxify(model)(jnp.ones(16))
+        ```
+    """
+    leaves_with_paths, treedef = jtu.tree_flatten_with_path(model, is_leaf=_is_lora)
+    paths = [dotted_path(path) for path, _ in leaves_with_paths]
+    leaves = [leaf for _, leaf in leaves_with_paths]
+    if where is None:
+        wanted = _linear_weight_paths(model)
+        if not wanted:
+            raise ValueError(_NO_LINEAR_MSG)
+        chosen = [p in wanted and not _is_lora(leaf) for p, leaf in zip(paths, leaves)]
+    else:
+        predicate = _as_predicate(where)
+        chosen = [not _is_lora(leaf) and bool(predicate(p, leaf)) for p, leaf in zip(paths, leaves)]
+        if not any(chosen):
+            shown = ", ".join(paths[:8]) + (", ..." if len(paths) > 8 else "")
+            raise ValueError(_NO_MATCH_MSG.format(where=where, paths=shown or "(none)"))
+        for path, leaf, selected in zip(paths, leaves, chosen):
+            if selected and not _is_matrix(leaf):
+                what = (
+                    f"an array of dtype {leaf.dtype} and shape {tuple(leaf.shape)}"
+                    if eqx.is_array(leaf)
+                    else f"a {type(leaf).__qualname__}"
+                )
+                raise ValueError(_NOT_A_MATRIX_MSG.format(where=where, path=path, what=what))
+    if not any(chosen):
+        return model  # every Linear weight is a LoraArray already
+    keys = iter(jr.split(key, sum(chosen)))
+    new_leaves = [
+        LoraArray(
+            leaf,
+            rank=rank,
+            scale=scale,
+            allow_materialise=allow_materialise,
+            stop_gradient=stop_gradient,
+            key=next(keys),
+        )
+        if selected
+        else leaf
+        for leaf, selected in zip(leaves, chosen)
+    ]
+    return jtu.tree_unflatten(treedef, new_leaves)
+
+
+def trainable_filter(model: PyTree) -> PyTree[bool]:
+    """A filter spec selecting only the LoRA factors `a` and `b` of `model`.
+
+    **Arguments:**
+
+    - `model`: a PyTree holding `LoraArray`s (the output of `loraify`).
+
+    **Returns:**
+
+    A PyTree of bools with the structure of `model`, for
+    `eqx.partition(model, trainable_filter(model))`: `True` at the `a` and `b` of
+    every `LoraArray`, `False` everywhere else (frozen weights, biases, ...).
+    """
+
+    def mark(x):
+        if _is_lora(x):
+            spec = jtu.tree_map(lambda _: False, x)
+            return eqx.tree_at(lambda s: (s.a, s.b), spec, (True, True))
+        return False
+
+    return jtu.tree_map(mark, model, is_leaf=_is_lora)
+
+
+def partition(model: PyTree) -> tuple[PyTree, PyTree]:
+    """Split a LoRA model into its trainable factors and the frozen rest.
+
+    **Arguments:**
+
+    - `model`: a PyTree holding `LoraArray`s (the output of `loraify`).
+
+    **Returns:**
+
+    A pair `(trainable, frozen)` as from `eqx.partition`: `trainable` holds the
+    `a` and `b` of every `LoraArray` (with `None` elsewhere), `frozen` holds
+    everything else. `eqx.combine(trainable, frozen)` gives `model` back.
+
+    !!! example
+
+        ```python
+        trainable, frozen = partition(model)
+        opt_state = optimiser.init(trainable)
+
+        @eqx.filter_jit
+        def step(trainable, opt_state, x, y):
+            def loss(trainable):
+                out = quaxlike.quaxify(eqx.combine(trainable, frozen))(x)
+                return jnp.mean((out - y) ** 2)
+
+            grads = eqx.filter_grad(loss)(trainable)
+            updates, opt_state = optimiser.update(grads, opt_state, trainable)
+            return eqx.apply_updates(trainable, updates), opt_state
+        ```
+    """
+    return eqx.partition(model, trainable_filter(model))
+
+
+def merge(model: PyTree) -> PyTree:
+    """Bake every `LoraArray` in `model` into a dense weight `W + A @ B`.
+
+    **Arguments:**
+
+    - `model`: a PyTree holding `LoraArray`s.
+
+    **Returns:**
+
+    The same PyTree with each `LoraArray` replaced by the ordinary array it stands
+    for, so the model runs without `quaxify` and at the cost of the original. No
+    `stop_gradient` is applied to `W` here: the merged weight is an ordinary array.
+    """
+    return jtu.tree_map(
+        lambda x: _dense(x.w, x.a, x.b) if _is_lora(x) else x,
+        model,
+        is_leaf=_is_lora,
+    )
