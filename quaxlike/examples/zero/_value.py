@@ -1,6 +1,9 @@
+from collections.abc import Sequence
+
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import DTypeLike
 
 import quaxlike
 from quaxlike.internal import ShapedArray
@@ -9,20 +12,35 @@ from quaxlike.internal import ShapedArray
 class Zero(quaxlike.ArrayValue):
     """An array of zeros of a given shape and dtype, stored as nothing at all.
 
-    Operations whose result is known to be zero (`0 * x`, `0 @ x`, reshapes and
-    reductions of zero, ...) give another `Zero` at trace time; `0 + x` gives `x`.
-    Anything else materialises it as `jnp.zeros(shape, dtype)`.
+    A `Zero` has no array leaves: under `jax.jit` it is static, and it costs no
+    memory. Operations whose result is known to be zero (`0 * x`, `0 @ x`,
+    reshapes, slices and reductions of zero, ...) give another `Zero` at trace
+    time, and `0 + x`, `x - 0` give `x` itself, so none of them adds an operation
+    to the traced program. Anything else materialises it as
+    `jnp.zeros(shape, dtype)`.
+
+    Like JAX's own symbolic zeros, `0 * x` is zero even where `x` is `inf` or
+    `nan` (dense arithmetic would give `nan`); the same holds for `0 / x`.
 
     **Arguments:**
 
     - `shape`: the shape of the array.
     - `dtype`: its dtype.
+
+    !!! example
+
+        ```python
+        z = Zero((3, 4), jnp.float32)
+        x = jnp.ones((4, 2))
+        out = quaxlike.quaxify(lambda z, x: (z @ x) * 2.0)(z, x)
+        assert isinstance(out, Zero) and out.shape == (3, 2)
+        ```
     """
 
     _shape: tuple[int, ...] = eqx.field(static=True)
     _dtype: np.dtype = eqx.field(static=True)
 
-    def __init__(self, shape: tuple[int, ...], dtype):
+    def __init__(self, shape: Sequence[int], dtype: DTypeLike):
         self._shape = tuple(int(d) for d in shape)
         self._dtype = np.dtype(dtype)
 
