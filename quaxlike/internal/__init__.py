@@ -3,3 +3,7 @@
 from .._jax_compat import AbstractValue as AbstractValue, ShapedArray as ShapedArray
 from .._values import materialise_value as materialise_value
 from ._helpers import output_aval as output_aval
+from ._labels import (
+    contract_labelled as contract_labelled,
+    dot_general_labels as dot_general_labels,
+)

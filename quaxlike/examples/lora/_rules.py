@@ -15,37 +15,12 @@ from jax import lax
 from jaxtyping import ArrayLike
 
 import quaxlike
+from quaxlike.internal import contract_labelled, dot_general_labels
 
 from ._value import LoraArray
 
 
 # --- matrix products ---------------------------------------------------------
-
-
-def _contract_pair(p, p_labels, q, q_labels, keep, params):
-    """`dot_general` of two operands described by einsum-style labels: labels they
-    share become batch dimensions if still needed (`keep`), else are contracted.
-    Returns the result and its labels (batch, then p's free, then q's free)."""
-    shared = [label for label in p_labels if label in q_labels]
-    batch = [label for label in shared if label in keep]
-    contract = [label for label in shared if label not in keep]
-    dimension_numbers = (
-        (tuple(p_labels.index(c) for c in contract), tuple(q_labels.index(c) for c in contract)),
-        (tuple(p_labels.index(c) for c in batch), tuple(q_labels.index(c) for c in batch)),
-    )
-    out = lax.dot_general(
-        p,
-        q,
-        dimension_numbers,
-        precision=params.get("precision"),
-        preferred_element_type=params.get("preferred_element_type"),
-    )
-    labels = (
-        batch
-        + [label for label in p_labels if label not in shared]
-        + [label for label in q_labels if label not in shared]
-    )
-    return out, labels
 
 
 def _dot_low_rank(a, b, other, lora_labels, other_labels, out_labels, lora_on_left, params):
@@ -63,31 +38,20 @@ def _dot_low_rank(a, b, other, lora_labels, other_labels, out_labels, lora_on_le
         first, first_labels, second, second_labels = a, a_labels, b, b_labels
     keep = set(out_labels) | set(second_labels)
     if lora_on_left:
-        low, labels = _contract_pair(first, first_labels, other, other_labels, keep, params)
+        low, labels = contract_labelled(first, first_labels, other, other_labels, keep, params)
     else:
-        low, labels = _contract_pair(other, other_labels, first, first_labels, keep, params)
-    low, labels = _contract_pair(second, second_labels, low, labels, set(out_labels), params)
+        low, labels = contract_labelled(other, other_labels, first, first_labels, keep, params)
+    low, labels = contract_labelled(second, second_labels, low, labels, set(out_labels), params)
     permutation = tuple(labels.index(label) for label in out_labels)
     if permutation != tuple(range(len(permutation))):
         low = lax.transpose(low, permutation)
     return low
 
 
-def _labels(dimension_numbers, lhs_ndim, rhs_ndim):
-    """Einsum-style labels (ints) for the operands and output of a `dot_general`."""
-    (lc, rc), (lb, rb) = dimension_numbers
-    lhs = list(range(lhs_ndim))
-    rhs = list(range(lhs_ndim, lhs_ndim + rhs_ndim))
-    for i, j in zip((*lc, *lb), (*rc, *rb)):
-        rhs[j] = lhs[i]
-    lhs_free = [lhs[i] for i in range(lhs_ndim) if i not in lc and i not in lb]
-    rhs_free = [rhs[j] for j in range(rhs_ndim) if j not in rc and j not in rb]
-    out = [lhs[i] for i in lb] + lhs_free + rhs_free
-    return lhs, rhs, out
-
-
 def _lora_dot(lhs, rhs, w, a, b, lora_on_left, dimension_numbers, params):
-    lhs_labels, rhs_labels, out_labels = _labels(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
+    lhs_labels, rhs_labels, out_labels = dot_general_labels(
+        dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs)
+    )
     base = lax.dot_general(
         lhs,
         rhs,

@@ -24,6 +24,7 @@ from jax import lax
 from jaxtyping import ArrayLike
 
 import quaxlike
+from quaxlike.internal import contract_labelled, dot_general_labels
 
 from ._value import QuantizedArray
 
@@ -40,31 +41,16 @@ class _Plan(NamedTuple):
     scale_output: bool  # apply the scales to the output, else to the other operand
 
 
-def _dimension_labels(dimension_numbers, lhs_ndim: int, rhs_ndim: int):
-    (lc, rc), (lb, rb) = dimension_numbers
-    fresh = it.count()
-    lhs = [next(fresh) for _ in range(lhs_ndim)]
-    rhs: list = [None] * rhs_ndim
-    for left, right in zip((*lc, *lb), (*rc, *rb)):
-        rhs[right] = lhs[left]
-    rhs = [next(fresh) if label is None else label for label in rhs]
-    out = (
-        [lhs[d] for d in lb]
-        + [lhs[d] for d in range(lhs_ndim) if d not in lc and d not in lb]
-        + [rhs[d] for d in range(rhs_ndim) if d not in rc and d not in rb]
-    )
-    return lhs, rhs, out, fresh
-
-
 def _plan(
     q: QuantizedArray, other_ndim: int, dimension_numbers, quantized_is_lhs: bool
 ) -> _Plan | None:
     """Work out from shapes alone how to compute the product; None when the scales
     cannot be factored out of it."""
     if quantized_is_lhs:
-        labels, other, out, fresh = _dimension_labels(dimension_numbers, q.ndim, other_ndim)
+        labels, other, out = dot_general_labels(dimension_numbers, q.ndim, other_ndim)
     else:
-        other, labels, out, fresh = _dimension_labels(dimension_numbers, other_ndim, q.ndim)
+        other, labels, out = dot_general_labels(dimension_numbers, other_ndim, q.ndim)
+    fresh = it.count(q.ndim + other_ndim)  # labels not used by any dimension
     stored = list(labels)
     if q.transposed:
         stored[-2], stored[-1] = stored[-1], stored[-2]
@@ -102,31 +88,6 @@ def _align(x, labels: list, target: list):
     return jnp.reshape(x, shape)
 
 
-def _contract(x, x_labels: list, y, y_labels: list, keep: set, params: dict):
-    """`dot_general` over the shared labels: those in `keep` are batch dimensions,
-    the rest are contracted. Returns the result and its labels."""
-    shared = [label for label in x_labels if label in y_labels]
-    batch = [label for label in shared if label in keep]
-    contract = [label for label in shared if label not in keep]
-    dimension_numbers = (
-        (tuple(x_labels.index(c) for c in contract), tuple(y_labels.index(c) for c in contract)),
-        (tuple(x_labels.index(b) for b in batch), tuple(y_labels.index(b) for b in batch)),
-    )
-    out = lax.dot_general(
-        x,
-        y,
-        dimension_numbers,
-        precision=params.get("precision"),
-        preferred_element_type=params.get("preferred_element_type"),
-    )
-    labels = (
-        batch
-        + [label for label in x_labels if label not in shared]
-        + [label for label in y_labels if label not in shared]
-    )
-    return out, labels
-
-
 def _quantized_dot(codes, scale, other, plan: _Plan, quantized_is_lhs: bool, params: dict):
     weights = codes.astype(scale.dtype)
     if plan.groups is not None:
@@ -139,8 +100,8 @@ def _quantized_dot(codes, scale, other, plan: _Plan, quantized_is_lhs: bool, par
     def contract(x, x_labels, y, y_labels, keep):
         # Keep the operands in the order of the original product.
         if quantized_is_lhs:
-            return _contract(x, x_labels, y, y_labels, keep, params)
-        return _contract(y, y_labels, x, x_labels, keep, params)
+            return contract_labelled(x, x_labels, y, y_labels, keep, params)
+        return contract_labelled(y, y_labels, x, x_labels, keep, params)
 
     if plan.scale_output:
         # The group index stays a batch dimension until the scales are applied.

@@ -1,0 +1,65 @@
+"""Einsum-style labels for `dot_general`, for rules that rearrange a product."""
+
+from jax import lax
+
+
+def dot_general_labels(dimension_numbers, lhs_ndim: int, rhs_ndim: int):
+    """Label every dimension of a `dot_general`'s operands and output.
+
+    **Arguments:**
+
+    - `dimension_numbers`: the primitive's `((lhs_contract, rhs_contract),
+        (lhs_batch, rhs_batch))`.
+    - `lhs_ndim`, `rhs_ndim`: the operands' ranks.
+
+    **Returns:**
+
+    `(lhs, rhs, out)`: lists of int labels, one per dimension. Contracted and batch
+    pairs share a label; labels are below `lhs_ndim + rhs_ndim`, so larger ints are
+    free for new dimensions. `out` is laid out as `dot_general` lays out its result.
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    lhs = list(range(lhs_ndim))
+    rhs = list(range(lhs_ndim, lhs_ndim + rhs_ndim))
+    for i, j in zip((*lc, *lb), (*rc, *rb)):
+        rhs[j] = lhs[i]
+    lhs_free = [lhs[i] for i in range(lhs_ndim) if i not in lc and i not in lb]
+    rhs_free = [rhs[j] for j in range(rhs_ndim) if j not in rc and j not in rb]
+    return lhs, rhs, [lhs[i] for i in lb] + lhs_free + rhs_free
+
+
+def contract_labelled(x, x_labels: list, y, y_labels: list, keep: set, params: dict):
+    """`dot_general` of two labelled operands: shared labels in `keep` become batch
+    dimensions, the other shared labels are contracted.
+
+    **Arguments:**
+
+    - `x`, `y`: the operands, with one label per dimension in `x_labels`, `y_labels`.
+    - `keep`: labels that must survive (still needed by a later step or the output).
+    - `params`: the original `dot_general` params (`precision` and
+        `preferred_element_type` are passed on).
+
+    **Returns:**
+
+    The result and its labels: batch, then `x`'s free, then `y`'s free.
+    """
+    shared = [label for label in x_labels if label in y_labels]
+    batch = [label for label in shared if label in keep]
+    contract = [label for label in shared if label not in keep]
+    dimension_numbers = (
+        (tuple(x_labels.index(c) for c in contract), tuple(y_labels.index(c) for c in contract)),
+        (tuple(x_labels.index(b) for b in batch), tuple(y_labels.index(b) for b in batch)),
+    )
+    out = lax.dot_general(
+        x,
+        y,
+        dimension_numbers,
+        precision=params.get("precision"),
+        preferred_element_type=params.get("preferred_element_type"),
+    )
+    labels = (
+        batch
+        + [label for label in x_labels if label not in shared]
+        + [label for label in y_labels if label not in shared]
+    )
+    return out, labels
