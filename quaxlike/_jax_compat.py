@@ -32,6 +32,8 @@ Trace = _core.Trace
 Tracer = _core.Tracer
 AbstractValue = _core.AbstractValue
 ShapedArray = _core.ShapedArray
+# A mutable array reference (`jax.new_ref`); not a `jax.Array`, yet a valid output.
+Ref = _core.Ref
 set_current_trace = jex_core.set_current_trace
 take_current_trace = jex_core.take_current_trace
 

@@ -74,7 +74,7 @@ class QuaxTrace(jc.Trace):
     def _wrap_output(self, x: Any, primitive, rule) -> Any:
         if isinstance(x, Value):
             return QuaxTracer(self, x)
-        if isinstance(x, (jax.Array, jc.Tracer)):
+        if isinstance(x, (jax.Array, jc.Tracer, jc.Ref)):
             return x
         try:
             with jc.set_current_trace(self.parent_trace):

@@ -689,11 +689,6 @@ def test_custom_vjp_own_matvec_lora(getseed):
     assert tree_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="quaxlike bug: custom_vjp bwd pulls the dense cotangent of a Value input back through "
-    "materialise() even when that Value is not differentiated, so a non-materialising LoraArray fails",
-)
 def test_custom_vjp_own_matvec_lora_forward_no_materialise(getseed):
     lora = make_lora(getseed())  # refuses to materialise
     x = randn(getseed(), (3,))
@@ -737,11 +732,6 @@ def _filter_matvec_bwd(residuals, grad_obj, perturbed, w, x):
     return jnp.outer(grad_obj, x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="quaxlike bug: custom_vjp fwd is called with perturbed=True for every input, tripping "
-    "eqx.filter_custom_vjp's assertion that non-vjp_arg inputs are unperturbed",
-)
 def test_filter_custom_vjp_lora(getseed):
     lora = make_lora(getseed(), allow_materialise=True)
     x = randn(getseed(), (3,))

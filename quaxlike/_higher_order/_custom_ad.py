@@ -131,21 +131,44 @@ def custom_jvp_with_values(trace, primitive, fun, jvp, tracers, symbolic_zeros):
             tangent_values = inputs.rebuild_tangents(primals, tangents)
             outs = quaxify(jvp_dense)(*primal_values, *tangent_values)
             n = len(outs) // 2
-            primal_out, tangent_out = _Flattened(outs[:n]), _Flattened(outs[n:])
+            primal_out = _Flattened(outs[:n])
+            tangent_out = _Flattened([_tangent_like(p, t) for p, t in zip(outs[:n], outs[n:])])
             if primal_out.same_structure(tangent_out):
                 outputs[:] = [primal_out]
                 p_leaves, t_leaves = primal_out.take_leaves(), tangent_out.take_leaves()
                 tangent_leaves = [
-                    t if _is_inexact(p) else _tangent_zeros_like(p) for p, t in zip(p_leaves, t_leaves)
+                    t if _is_inexact(p) else _tangent_zeros_like(p)
+                    for p, t in zip(p_leaves, t_leaves)
                 ]
                 return p_leaves, tangent_leaves
+            # The rule's tangents do not fit its primal outputs. JAX lets a
+            # custom_jvp binding call either the function or its rule, never both
+            # (each records its output structure), so differentiate the primal
+            # computation the rule itself performed.
+            return jax.jvp(rule_primal_leaves, tuple(primals), tuple(tangents))
         # Differentiate the primal computation itself.
         return jax.jvp(primal_leaves, tuple(primals), tuple(tangents))
+
+    def rule_primal_leaves(*leaves):
+        zeros = [jnp.zeros_like(x) if _is_inexact(x) else _tangent_zeros_like(x) for x in leaves]
+        outs = quaxify(jvp_dense)(*inputs.rebuild(leaves), *inputs.rebuild_tangents(leaves, zeros))
+        out = _Flattened(outs[: len(outs) // 2])
+        outputs[:] = [out]
+        return out.take_leaves()
 
     in_leaves = inputs.take_leaves()
     with jc.set_current_trace(trace.parent_trace):
         out_leaves = leaf_function(*in_leaves)
     return _lift_outputs(trace, outputs[0].rebuild(out_leaves))
+
+
+def _tangent_like(primal, tangent):
+    """A rule's tangent output in the form of its primal output: a Value tangent
+    of a plain array output is materialised (tangents of Values with
+    `structured_tangents` are linear in their leaves, so this is exact)."""
+    if isinstance(tangent, Value) and not isinstance(primal, Value):
+        return materialise_value(tangent)
+    return tangent
 
 
 def _lift_outputs(trace, out):
@@ -165,9 +188,18 @@ def custom_vjp_with_values(trace, primitive, fun, fwd, bwd, tracers, out_trees, 
         outputs[:] = [out]
         return out.take_leaves()
 
-    def leaf_fwd(*leaves):
+    def leaf_fwd(*primals):
+        # Registered with symbolic zeros, so JAX says which leaves are perturbed;
+        # a Value is perturbed when any of its leaves is.
+        leaves = [p.value for p in primals]
+        perturbed = [any(p.perturbed for p in primals[a:b]) for a, b in inputs.spans]
+        in_perturbed[:] = [perturbed]
         in_values = inputs.rebuild(leaves)
-        outs = quaxify(lambda *v: fwd.call_wrapped(*[z for x in v for z in (x, True)]))(*in_values)
+
+        def call_fwd(*v):
+            return fwd.call_wrapped(*[z for pair in zip(v, perturbed) for z in pair])
+
+        outs = quaxify(call_fwd)(*in_values)
         _, res_tree, input_fwds = out_trees()
         num_res_out = res_tree.num_leaves - sum(f is not None for f in input_fwds)
         res_out = iter(outs[:num_res_out])
@@ -182,25 +214,36 @@ def custom_vjp_with_values(trace, primitive, fun, fwd, bwd, tracers, out_trees, 
     def leaf_bwd(saved, out_cts):
         res_dynamic, in_leaves, out_leaves = saved
         residuals = eqx.combine(res_dynamic, residual_static[0])
+        out_cts = [_instantiate(ct) for ct in out_cts]
         # Cotangents of Value outputs are rebuilt as Values of the same type.
         cts = outputs[0].rebuild_tangents(out_leaves, out_cts)
         in_cts = quaxify(bwd.call_wrapped)(*residuals, *cts)
-        return tuple(_leaf_cotangents(inputs, in_leaves, in_cts))
+        return tuple(_leaf_cotangents(inputs, in_leaves, in_cts, in_perturbed[0]))
 
-    leaf_function.defvjp(leaf_fwd, leaf_bwd)
+    in_perturbed: list = []
+    leaf_function.defvjp(leaf_fwd, leaf_bwd, symbolic_zeros=True)
     in_leaves = inputs.take_leaves()
     with jc.set_current_trace(trace.parent_trace):
         out_leaves = leaf_function(*in_leaves)
     return _lift_outputs(trace, outputs[0].rebuild(out_leaves))
 
 
-def _leaf_cotangents(inputs: "_Flattened", in_leaves, in_cts):
-    """Cotangents for the input leaves, from the cotangents `bwd` gave the inputs."""
+def _instantiate(ct):
+    """A dense array for a symbolic-zero cotangent; others unchanged."""
+    if isinstance(ct, jax.custom_derivatives.SymbolicZero):
+        return jnp.zeros(ct.shape, ct.dtype)
+    return ct
+
+
+def _leaf_cotangents(inputs: "_Flattened", in_leaves, in_cts, perturbed):
+    """Cotangents for the input leaves, from the cotangents `bwd` gave the inputs.
+    Inputs nothing differentiates get none (a Value that refuses to materialise
+    is never pulled back through `materialise()` needlessly)."""
     out = [None] * len(in_leaves)
     values = inputs.rebuild(in_leaves)
     for position, ((start, stop), is_value) in enumerate(zip(inputs.spans, inputs.is_value)):
         ct = in_cts[position]
-        if ct is None or start == stop:
+        if ct is None or start == stop or not perturbed[position]:
             continue
         if not is_value:
             out[start] = materialise_value(ct) if isinstance(ct, Value) else ct

@@ -57,6 +57,17 @@ def _record(record, key, values):
     record[key + "_text"] = [describe_type(v) for v in values]
 
 
+def _keep_where_false(predicate, new, old):
+    """`new` where `predicate` holds, else `old`; `predicate`'s shape is a prefix
+    of theirs. Dispatched, so a carry type with a `select_n` rule keeps its type."""
+
+    def select(p, n, o):
+        p = lax.broadcast_in_dim(p, jax.numpy.shape(n), tuple(range(p.ndim)))
+        return lax.select(p, n, o)
+
+    return quaxify(select)(predicate, new, old)
+
+
 @register(jc.while_p)
 def while_p_values(
     *args: AnyValue, cond_nconsts: int, cond_jaxpr, body_nconsts: int, body_jaxpr, **params
@@ -66,17 +77,31 @@ def while_p_values(
     init = list(args[cond_nconsts + body_nconsts :])
     cond_fun = quaxify(jc.jaxpr_as_fun(cond_jaxpr))
     body_fun = quaxify(jc.jaxpr_as_fun(body_jaxpr))
+    # vmap of a loop whose predicate depends on the mapped data gives a `while`
+    # with one predicate per element: it runs while any holds, and elements whose
+    # predicate is false keep their carry (what XLA's lowering of it does).
+    batched_predicate = bool(cond_jaxpr.out_avals[0].shape)
+
+    def predicate_of(c):
+        (predicate,) = cond_fun(*cond_consts, *c)
+        return to_dense(predicate, jc.while_p)
 
     def run(dense, record):
         carry = _densify(init, dense, jc.while_p)
         _record(record, "carry_in", carry)
 
         def cond(c):
-            (predicate,) = cond_fun(*cond_consts, *c)
-            return to_dense(predicate, jc.while_p)
+            predicate = predicate_of(c)
+            if batched_predicate:
+                predicate = lax.reduce_or(predicate, tuple(range(predicate.ndim)))
+            return predicate
 
         def body(c):
-            out = _densify(body_fun(*body_consts, *c), dense, jc.while_p)
+            out = body_fun(*body_consts, *c)
+            if batched_predicate:
+                predicate = predicate_of(c)
+                out = [_keep_where_false(predicate, n, o) for n, o in zip(out, c)]
+            out = _densify(out, dense, jc.while_p)
             _record(record, "carry_out", out)
             return out
 

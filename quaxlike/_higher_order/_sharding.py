@@ -35,7 +35,9 @@ from ._common import AnyValue
 
 
 def _axis_factor(mesh, entry) -> int:
-    if entry is None:
+    # `P.UNCONSTRAINED` (which vmap inserts for its batch axis) lets XLA choose:
+    # no known split, so the axis keeps its size for the shape bookkeeping.
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
         return 1
     names = entry if isinstance(entry, tuple) else (entry,)
     return math.prod(mesh.shape[name] for name in names)

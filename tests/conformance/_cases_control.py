@@ -10,11 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from _inputs import boolean, case, f32, i32, pos, spd
 from _known_bugs import (
-    BATCHED_WHILE_PREDICATE,
-    CUSTOM_JVP_BOTH_STORES,
     DCE_SINK_BATCHING,
-    REF_OUTPUT,
-    UNCONSTRAINED_SPEC,
 )
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
@@ -280,7 +276,6 @@ CASES = [
         jnp.int32(3),
         prims="while",
         grad=False,
-        xfail={"vmap_inside": BATCHED_WHILE_PREDICATE},
     ),
     case(
         "fori_loop-traced",
@@ -289,7 +284,6 @@ CASES = [
         jnp.int32(3),
         prims="while",
         grad=False,
-        xfail={"vmap_inside": BATCHED_WHILE_PREDICATE},
     ),
     # These scans start from a plain carry that becomes a Value in the body; the
     # core materialises a carry whose type changes, so their outputs are arrays.
@@ -321,7 +315,6 @@ CASES = [
         i32(4, low=1, high=12),
         i32(4, low=1, high=12),
         prims="while",
-        xfail={"vmap_inside": BATCHED_WHILE_PREDICATE},
     ),
     # --- custom derivatives -------------------------------------------------------
     case("custom_jvp_call", custom_sin, f32(3, 4), prims="custom_jvp_call"),
@@ -340,7 +333,6 @@ CASES = [
         prims=("custom_jvp_call", "scan"),
         tol={"rtol": 1e-4, "atol": 1e-5},
         all_values=False,
-        xfail={"grad": CUSTOM_JVP_BOTH_STORES},
     ),
     case(
         "custom_linear_solve",
@@ -448,7 +440,6 @@ CASES = [
         ),
         f32(3, 4),
         prims="sharding_constraint",
-        xfail={"vmap_inside": UNCONSTRAINED_SPEC},
     ),
     case(
         "reshard",
@@ -495,7 +486,6 @@ CASES = [
         f32(3, 4),
         f32(3, 4),
         prims=("new_ref", "get", "swap", "addupdate", "freeze"),
-        xfail={"dense": REF_OUTPUT},
     ),
     # A plain reference written with a Value holds an array: the result is plain.
     case(

@@ -19,7 +19,6 @@ from _inputs import (
     unit,
     weak,
 )
-from _known_bugs import BATCHED_WHILE_PREDICATE
 from jax import lax
 
 
@@ -255,7 +254,6 @@ CASES += [
         i32(3, 4, low=1, high=30),
         i32(3, 4, low=1, high=30),
         prims="while",
-        xfail={"vmap_inside": BATCHED_WHILE_PREDICATE},
     ),
     # boolean
     case("bool-and", jnp.logical_and, boolean(3, 4), boolean(3, 4), prims="and"),

@@ -24,12 +24,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _inputs import Case
-from _known_bugs import (
-    BATCHED_WHILE_PREDICATE,
-    CUSTOM_JVP_BOTH_STORES,
-    REF_OUTPUT,
-    UNCONSTRAINED_SPEC,
-)
 from _table import (
     assert_same,
     batch,
@@ -311,7 +305,6 @@ def _plain_primal_value_tangent_jvp(primals, tangents):
     return jnp.ones_like(x), 3.0 * t
 
 
-@pytest.mark.xfail(strict=True, reason=CUSTOM_JVP_BOTH_STORES)
 def test_core_custom_jvp_mismatch_under_grad():
     x = jnp.array([1.0, 2.0], jnp.float32)
 
@@ -328,14 +321,12 @@ def _new_ref_read_twice(x):
     return ref[...] * 2.0
 
 
-@pytest.mark.xfail(strict=True, reason=REF_OUTPUT)
 def test_core_default_returning_a_ref():
     x = jnp.ones((3, 4), jnp.float32)
     out = quaxlike.quaxify(_new_ref_read_twice)(quaxlike.DenseArrayValue(x))
     assert_same(out, _new_ref_read_twice(x))
 
 
-@pytest.mark.xfail(strict=True, reason=UNCONSTRAINED_SPEC)
 def test_core_sharding_constraint_unconstrained():
     mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     spec = jax.sharding.PartitionSpec(jax.sharding.PartitionSpec.UNCONSTRAINED, None)
@@ -348,8 +339,15 @@ def _halve_until(x, n):
     return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] * 0.5), (0, x))[1]
 
 
-@pytest.mark.xfail(strict=True, reason=BATCHED_WHILE_PREDICATE)
 def test_core_vmap_of_while_inside_quaxify():
     xs, ns = jnp.ones((2, 3), jnp.float32), jnp.array([1, 3], jnp.int32)
     out = quaxlike.quaxify(jax.vmap(_halve_until))(Tracked(xs), ns)
     assert_same(out, jax.vmap(_halve_until)(xs, ns))
+
+
+def test_core_nested_vmap_of_while_inside_quaxify():
+    # Two levels of per-element predicates; elements stop at different steps.
+    xs = jnp.arange(24, dtype=jnp.float32).reshape(2, 3, 4)
+    ns = jnp.array([[0, 1, 4], [2, 5, 3]], jnp.int32)
+    fn = jax.vmap(jax.vmap(_halve_until))
+    assert_same(quaxlike.quaxify(fn)(Tracked(xs), ns), fn(xs, ns))
