@@ -150,6 +150,30 @@ def call_lifted(leaves, treedef, static, adopts: tuple[QuaxTrace, ...] = ()):
     return out
 
 
+def _call(fn, filter_spec, args, kwargs):
+    dynamic, static = _partition(fn, args, kwargs, filter_spec)
+    leaves, treedef = jtu.tree_flatten(dynamic, is_leaf=is_value)
+    try:
+        if not any(isinstance(x, Value) for x in leaves):
+            # Nothing to lift: exactly the function itself, at no cost.
+            return fn(*args, **kwargs)
+        return call_lifted(leaves, treedef, static)
+    except TypeError as error:
+        better = _unlifted_value_error(error) or _concrete_value_error(error)
+        if better is None:
+            raise
+        raise better from error
+
+
+def lifted_call(fn: Callable[..., _Return], *args: Any) -> _Return:
+    """`quaxify(fn)(*args)` for quaxlike's own rules: the same trace, without
+    building a `Quaxify` wrapper (an Equinox Module) on every call."""
+    leaves, treedef = jtu.tree_flatten((fn, args, {}), is_leaf=is_value)
+    if not any(isinstance(x, Value) for x in leaves):
+        return fn(*args)
+    return call_lifted(leaves, treedef, None)
+
+
 class Quaxify(eqx.Module, Generic[_Return]):
     """The wrapper `quaxify` returns. An Equinox Module, so it is a PyTree whose
     leaves are those of the wrapped function."""
@@ -164,30 +188,16 @@ class Quaxify(eqx.Module, Generic[_Return]):
 
     @jc.api_boundary
     def __call__(self, *args: Any, **kwargs: Any) -> _Return:
-        if self.check is None:
-            return self._call(args, kwargs)
-        token = _instrument.checking.set(self.check)
+        # Module-level helpers rather than methods: a method looked up on an
+        # Equinox Module instance is rebuilt as a bound-method Module each time.
+        fn, filter_spec, check = self.fn, self.filter_spec, self.check
+        if check is None:
+            return _call(fn, filter_spec, args, kwargs)
+        token = _instrument.checking.set(check)
         try:
-            return self._call(args, kwargs)
+            return _call(fn, filter_spec, args, kwargs)
         finally:
             _instrument.checking.reset(token)
-
-    def _call(self, args, kwargs):
-        dynamic, static = _partition(self.fn, args, kwargs, self.filter_spec)
-        leaves, treedef = jtu.tree_flatten(dynamic, is_leaf=is_value)
-        try:
-            if not any(isinstance(x, Value) for x in leaves):
-                # Nothing to lift: exactly the function itself, at no cost.
-                return self.fn(*args, **kwargs)
-            return self._call_lifted(leaves, treedef, static)
-        except TypeError as error:
-            better = _unlifted_value_error(error) or _concrete_value_error(error)
-            if better is None:
-                raise
-            raise better from error
-
-    def _call_lifted(self, leaves, treedef, static):
-        return call_lifted(leaves, treedef, static)
 
     def __get__(self, instance, owner=None):
         if instance is None:
@@ -235,11 +245,37 @@ def quaxify(
     !!! example
 
         ```python
+        from quaxlike.examples.lora import LoraArray
+
         @quaxlike.quaxify
         def f(w, x):
             return w @ x
 
-        f(lora_weight, x)  # runs the registered `dot_general` rule for LoraArray
+        lora_weight = LoraArray(jnp.ones((3, 2)), rank=1, key=jr.key(0))
+        x = jnp.arange(2.0)
+        y = f(lora_weight, x)  # runs the registered `dot_general` rule for LoraArray
+        assert jnp.allclose(y, lora_weight.dense() @ x)
         ```
     """
-    return eqx.module_update_wrapper(Quaxify(fn, filter_spec, check))
+    return _new_quaxify(fn, filter_spec, check)
+
+
+_WRAPPER_ATTRIBUTES = ("__module__", "__name__", "__qualname__", "__doc__", "__annotations__")
+
+
+def _new_quaxify(fn, filter_spec, check) -> Quaxify:
+    # What `eqx.module_update_wrapper(Quaxify(fn, filter_spec, check))` builds, at
+    # a tenth of the cost: rules redispatch through `quaxify` on every primitive
+    # they handle, so building the wrapper is on the interpreter's hot path. The
+    # fields are set as Equinox's own unflattening sets them.
+    wrapper = object.__new__(Quaxify)
+    object.__setattr__(wrapper, "fn", fn)
+    object.__setattr__(wrapper, "filter_spec", filter_spec)
+    object.__setattr__(wrapper, "check", check)
+    for name in _WRAPPER_ATTRIBUTES:
+        try:
+            value = getattr(fn, name)
+        except AttributeError:
+            continue
+        object.__setattr__(wrapper, name, value)
+    return wrapper

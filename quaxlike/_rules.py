@@ -117,9 +117,23 @@ def register(primitive, *, precedence: int = 0) -> Callable[[_Rule], _Rule]:
     !!! example
 
         ```python
+        class Zero(quaxlike.ArrayValue):
+            shape_: tuple[int, ...] = eqx.field(static=True)
+            dtype_: np.dtype = eqx.field(static=True)
+
+            def aval(self):
+                return jax.core.ShapedArray(self.shape_, self.dtype_)
+
+            def materialise(self):
+                return jnp.zeros(self.shape_, self.dtype_)
+
         @quaxlike.register(jax.lax.mul_p)
         def mul_p_zero_any(x: Zero, y: ArrayLike | quaxlike.ArrayValue, **params):
             return Zero(jnp.broadcast_shapes(x.shape, jnp.shape(y)), x.dtype)
+
+        z = Zero((3,), np.dtype("float32"))
+        out = quaxlike.quaxify(lambda a, b: b * a)(z, jnp.ones(3))  # commutative
+        assert isinstance(out, Zero)
         ```
     """
     primitives = _as_primitives(primitive)
@@ -144,7 +158,27 @@ def register(primitive, *, precedence: int = 0) -> Callable[[_Rule], _Rule]:
 
 
 def rules_for(primitive: jc.Primitive) -> list[plum.Method]:
-    """The rules registered for `primitive`, as plum methods (for inspection)."""
+    """The rules registered for `primitive`, as plum methods (for inspection).
+
+    **Arguments:**
+
+    - `primitive`: a JAX primitive, such as `jax.lax.mul_p`.
+
+    **Returns:**
+
+    A list of `plum.Method`s, one per registered rule and primitive; each has
+    `.signature` (the argument types, and `.signature.precedence`) and
+    `.implementation` (the rule function). Empty if nothing is registered.
+
+    !!! example
+
+        ```python
+        import quaxlike.examples.zero  # registers Zero's rules
+
+        for method in quaxlike.rules_for(jax.lax.mul_p):
+            print(method.implementation.__qualname__, method.signature)
+        ```
+    """
     function = _dispatchers.get(primitive)
     return [] if function is None else list(function.methods)
 
@@ -283,6 +317,15 @@ def _resolution(primitive: jc.Primitive, values: tuple) -> _Resolution:
     except KeyError:
         resolution = _resolution_cache[key] = _resolve(primitive, values)
         return resolution
+
+
+def chosen_rule(primitive: jc.Primitive, values: Sequence[Any]) -> Callable | None:
+    """The implementation of the rule `dispatch` would try first for `values`,
+    or `None` (no rule, or an ambiguity that `dispatch` will report)."""
+    chain = _resolution(primitive, tuple(values)).chain
+    if not chain or isinstance(chain[0], Exception):
+        return None
+    return chain[0][0].implementation
 
 
 def dispatch(

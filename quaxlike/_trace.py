@@ -14,8 +14,28 @@ import jax.numpy as jnp
 
 from . import _instrument, _jax_compat as jc
 from ._diagnostics import messages, QuaxlikeError
-from ._rules import default_description, dispatch
+from ._rules import chosen_rule, default_description, dispatch
 from ._values import checked_aval, Value
+
+
+# Rules that only say "run this sub-program here" (`jit(inline=True)`, which most
+# `jax.numpy` functions are, and `closed_call`): when such a rule is the one
+# dispatch would choose, the trace evaluates the sub-program's equations itself,
+# without opening a nested trace. Maps the rule's implementation to a function of
+# the primitive's params giving the `ClosedJaxpr` to inline, or `None`.
+_inlining_rules: dict[Any, Any] = {}
+_inlinable_primitives: set = set()
+
+
+def inlines(primitive, jaxpr_of):
+    """Mark a rule for `primitive` as one the trace may inline (see above)."""
+
+    def mark(rule):
+        _inlining_rules[rule] = jaxpr_of
+        _inlinable_primitives.add(primitive)
+        return rule
+
+    return mark
 
 
 class QuaxTracer(jc.Tracer):
@@ -96,12 +116,26 @@ class QuaxTrace(jc.Trace):
             return primitive.bind_with_trace(
                 self.parent_trace, tracers, [jax.typeof(t) for t in tracers], params
             )
+        values = [self.unwrap(t) for t in tracers]
+        if primitive in _inlinable_primitives:
+            rule = chosen_rule(primitive, values)
+            jaxpr_of = _inlining_rules.get(rule)
+            jaxpr = jaxpr_of(params) if jaxpr_of is not None else None
+            if jaxpr is not None:
+                if self.instrumented:
+                    return self._process_observed(
+                        primitive, tracers, params, inline=(jaxpr, rule)
+                    )
+                return self._inline(jaxpr, tracers)
         if self.instrumented:
             return self._process_observed(primitive, tracers, params)
-        values = [self.unwrap(t) for t in tracers]
         with jc.set_current_trace(self.parent_trace):
             out, rule = dispatch(primitive, values, params)
         return self._wrap_outputs(out, primitive, rule)
+
+    def _inline(self, jaxpr, tracers):
+        with jc.set_current_trace(self):
+            return jc.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *tracers)
 
     def _wrap_outputs(self, out, primitive, rule):
         if primitive.multiple_results:
@@ -120,16 +154,24 @@ class QuaxTrace(jc.Trace):
             )
         return self._wrap_output(out, primitive, rule)
 
-    def _process_observed(self, primitive, tracers, params):
+    def _process_observed(self, primitive, tracers, params, inline=None):
         """`process_primitive` under `explain` (record what ran, and name the
         equations each rule emits) or checked mode (compare each rule's outputs
-        with the primitive's abstract evaluation)."""
+        with the primitive's abstract evaluation). `inline` is `(jaxpr, rule)`
+        when the chosen rule's sub-program is evaluated in this trace."""
         values = [self.unwrap(t) for t in tracers]
         recorder = _instrument.recorder.get()
         record = recorder.open(primitive, values) if recorder is not None else None
         try:
-            with jc.set_current_trace(self.parent_trace):
-                out, rule = dispatch(primitive, values, params, name_scopes=record is not None)
+            if inline is not None:
+                jaxpr, rule = inline
+                outputs = self._inline(jaxpr, tracers)
+            else:
+                with jc.set_current_trace(self.parent_trace):
+                    out, rule = dispatch(
+                        primitive, values, params, name_scopes=record is not None
+                    )
+                outputs = self._wrap_outputs(out, primitive, rule)
         finally:
             if record is not None:
                 recorder.close(record)
@@ -139,7 +181,6 @@ class QuaxTrace(jc.Trace):
                 record.location = _instrument.rule_location(rule)
             else:
                 record.default_owner = default_description(primitive, values)
-        outputs = self._wrap_outputs(out, primitive, rule)
         if _instrument.checking.get():
             out_list = outputs if primitive.multiple_results else [outputs]
             _instrument.check_outputs(

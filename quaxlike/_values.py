@@ -36,10 +36,47 @@ class Value(eqx.Module):
     The class attribute `warn_on_materialise` (default `True`) says whether
     `quaxlike.materialise_policy("warn")`/`("error")` apply to this type; set it
     to `False` for types that are cheap and expected to become dense.
+
+    Most types stand for an array and subclass `ArrayValue` instead, which adds
+    `shape`, `dtype`, `ndim` and `size`.
+
+    **Arguments:**
+
+    None of its own. A subclass declares its fields as an Equinox Module does
+    (array fields are PyTree leaves, `eqx.field(static=True)` fields are not), and
+    those fields are its constructor's arguments.
+
+    !!! example
+
+        ```python
+        class Scaled(quaxlike.Value):
+            # stands for `factor * array`; no rules, so every primitive
+            # falls back to materialising
+            array: jax.Array
+            factor: float = eqx.field(static=True)
+
+            def aval(self):
+                return jax.core.ShapedArray(self.array.shape, self.array.dtype)
+
+            def materialise(self):
+                return self.factor * self.array
+
+        x = jnp.arange(3.0)
+        out = quaxlike.quaxify(jnp.sin)(Scaled(x, 2.0))
+        assert jnp.allclose(out, jnp.sin(2.0 * x))
+        ```
     """
 
     structured_tangents: ClassVar[bool] = True
     warn_on_materialise: ClassVar[bool] = True
+
+    # Equinox looks every attribute of a Module up through a Python-level
+    # `__getattribute__` that turns methods into bound-method Modules (PyTrees),
+    # at tens of microseconds per method access. Rules read fields and call
+    # methods of Values on every primitive they handle, so Values use Python's
+    # own lookup: fields and methods behave as on any object, and a Value's
+    # bound method is an ordinary bound method rather than a PyTree.
+    __getattribute__ = object.__getattribute__
 
     @abc.abstractmethod
     def aval(self) -> jc.AbstractValue:
@@ -47,6 +84,11 @@ class Value(eqx.Module):
 
         It is computed once when the Value enters a `quaxify` trace. It should only
         read shapes and dtypes, and never add operations to a traced program.
+
+        **Returns:**
+
+        A `jax.core.AbstractValue`, usually
+        `quaxlike.internal.ShapedArray(shape, dtype)`.
         """
 
     @abc.abstractmethod
@@ -55,6 +97,11 @@ class Value(eqx.Module):
 
         Called when a primitive has no rule for this type. Types that must never
         become dense should raise here, naming the type.
+
+        **Returns:**
+
+        An array whose shape and dtype are those of `aval()` (quaxlike checks). It
+        may also be another Value, which is materialised in turn.
         """
 
     @staticmethod
@@ -78,6 +125,29 @@ class Value(eqx.Module):
 
         What `primitive.bind` would return: one result, or a list of them for a
         primitive with `multiple_results`.
+
+        !!! example
+
+            ```python
+            class Loud(quaxlike.ArrayValue):
+                # refuses every primitive it has no rule for, naming it
+                array: jax.Array
+
+                def aval(self):
+                    return jax.core.ShapedArray(self.array.shape, self.array.dtype)
+
+                def materialise(self):
+                    return self.array
+
+                @staticmethod
+                def default(primitive, values, params):
+                    raise NotImplementedError(f"Loud has no rule for `{primitive.name}`")
+
+            try:
+                quaxlike.quaxify(jnp.sin)(Loud(jnp.ones(2)))
+            except NotImplementedError as error:
+                print(error)  # Loud has no rule for `sin`
+            ```
         """
         arrays = [
             materialise_for(primitive, values, i) if isinstance(v, Value) else v
@@ -89,22 +159,51 @@ class Value(eqx.Module):
 class ArrayValue(Value):
     """A `Value` that stands for an array: adds `shape`, `dtype`, `ndim` and `size`,
     all read from `aval()`.
+
+    This is the base class to use for a new type: subclass it, declare fields,
+    and implement `aval()` and `materialise()`.
+
+    **Arguments:**
+
+    None of its own: a subclass's fields are its constructor's arguments, as for
+    any Equinox Module.
+
+    !!! example
+
+        ```python
+        class Ones(quaxlike.ArrayValue):
+            shape_: tuple[int, ...] = eqx.field(static=True)
+
+            def aval(self):
+                return jax.core.ShapedArray(self.shape_, jnp.float32)
+
+            def materialise(self):
+                return jnp.ones(self.shape_, jnp.float32)
+
+        ones = Ones((2, 3))
+        assert ones.shape == (2, 3) and ones.ndim == 2 and ones.size == 6
+        assert jnp.array_equal(quaxlike.quaxify(jnp.sum)(ones), 6.0)
+        ```
     """
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.aval().shape  # pyright: ignore
+        """The shape of the array this Value stands for (from `aval()`)."""
+        return _aval_of(self).shape  # pyright: ignore
 
     @property
     def dtype(self) -> np.dtype:
-        return self.aval().dtype  # pyright: ignore
+        """The dtype of the array this Value stands for (from `aval()`)."""
+        return _aval_of(self).dtype  # pyright: ignore
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions, `len(self.shape)`."""
         return len(self.shape)
 
     @property
     def size(self) -> int:
+        """The number of elements, the product of `self.shape`."""
         return int(np.prod(self.shape))
 
 
@@ -115,6 +214,18 @@ class DenseArrayValue(ArrayValue):
     exactly what the wrapped array would; it is useful to force arrays through the
     interpreter (benchmarks, tests) and as the simplest possible example type.
     Being dense is its purpose, so `materialise_policy` leaves it alone.
+
+    **Arguments:**
+
+    - `array`: the array it wraps.
+
+    !!! example
+
+        ```python
+        x = jnp.arange(4.0)
+        out = quaxlike.quaxify(lambda v: jnp.cumsum(v) * 2)(quaxlike.DenseArrayValue(x))
+        assert jnp.array_equal(out, jnp.cumsum(x) * 2)
+        ```
     """
 
     warn_on_materialise: ClassVar[bool] = False
@@ -132,9 +243,19 @@ def is_value(x: Any) -> bool:
     return isinstance(x, Value)
 
 
+def _aval_of(value: Value) -> Any:
+    # Through the class: `value.aval` on an Equinox Module builds a bound-method
+    # Module on every access, which costs more than most `aval()`s themselves.
+    return type(value).aval(value)
+
+
+def _materialise_once(value: Value) -> Any:
+    return type(value).materialise(value)
+
+
 def checked_aval(value: Value) -> jc.AbstractValue:
     """Call `value.aval()` and check it returned an abstract value."""
-    aval = value.aval()
+    aval = _aval_of(value)
     if not isinstance(aval, jc.AbstractValue):
         raise QuaxlikeError(
             messages.BAD_AVAL.format(
@@ -147,9 +268,34 @@ def checked_aval(value: Value) -> jc.AbstractValue:
 def materialise_value(value: Value, primitive: jc.Primitive | None = None) -> Any:
     """Materialise `value` until it is no longer a Value, checking the result
     has the shape and dtype that `aval()` promised.
+
+    Use it in rules and tests rather than calling `value.materialise()` directly:
+    it follows chains of Values (a `materialise()` that returns another Value) and
+    raises a `quaxlike.QuaxlikeError` naming the type if the result disagrees with
+    `aval()`. It does not consult `materialise_policy`: calling it is asking for
+    the dense array on purpose.
+
+    **Arguments:**
+
+    - `value`: the Value to materialise.
+    - `primitive`: the primitive that needs it, named in error messages
+        (optional).
+
+    **Returns:**
+
+    The ordinary array `value` stands for.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.zero import Zero
+
+        dense = quaxlike.internal.materialise_value(Zero((2,), jnp.float32))
+        assert jnp.array_equal(dense, jnp.zeros(2))
+        ```
     """
     aval = checked_aval(value)
-    out = value.materialise()
+    out = _materialise_once(value)
     depth = 0
     while isinstance(out, Value):
         depth += 1
@@ -157,7 +303,7 @@ def materialise_value(value: Value, primitive: jc.Primitive | None = None) -> An
             raise QuaxlikeError(
                 messages.MATERIALISE_LOOP.format(type_name=type(value).__qualname__)
             )
-        out = out.materialise()
+        out = _materialise_once(out)
     out_shape = np.shape(out)
     out_dtype = jax.dtypes.result_type(out) if not isinstance(out, jax.Array) else out.dtype
     expected_shape = getattr(aval, "shape", out_shape)

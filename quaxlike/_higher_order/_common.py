@@ -60,6 +60,6 @@ def describe_type(x: Any) -> str:
 
 def _aval_text(x: Value) -> str:
     try:
-        return f"[{x.aval().str_short()}]"
+        return f"[{type(x).aval(x).str_short()}]"
     except Exception:  # a broken aval() is reported elsewhere
         return ""

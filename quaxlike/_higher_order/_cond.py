@@ -1,9 +1,11 @@
 """`cond` (`lax.cond`, `lax.switch`)."""
 
+import functools as ft
+
 from jax import lax
 
 from .. import _jax_compat as jc
-from .._quaxify import quaxify
+from .._quaxify import lifted_call
 from .._rules import register
 from ._common import AnyValue, to_dense, type_signature
 
@@ -11,7 +13,7 @@ from ._common import AnyValue, to_dense, type_signature
 @register(jc.cond_p)
 def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
     index = to_dense(index, jc.cond_p)
-    bodies = [quaxify(jc.jaxpr_as_fun(branch)) for branch in branches]
+    bodies = [ft.partial(lifted_call, jc.jaxpr_as_fun(branch)) for branch in branches]
     # Branches may return different types at one position (a symbolic zero in one
     # branch, a dense array in the other). Try as they are; if JAX rejects the
     # branches as mismatched, materialise exactly the positions that disagree.

@@ -22,7 +22,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .. import _jax_compat as jc
-from .._quaxify import quaxify
+from .._quaxify import lifted_call
 from .._values import checked_aval, materialise_value, Value
 
 
@@ -111,7 +111,7 @@ def custom_jvp_with_values(trace, primitive, fun, jvp, tracers, symbolic_zeros):
     outputs: list[_Flattened] = []
 
     def primal_leaves(*leaves):
-        out = _Flattened(quaxify(primal_dense)(*inputs.rebuild(leaves)))
+        out = _Flattened(lifted_call(primal_dense, *inputs.rebuild(leaves)))
         outputs[:] = [out]
         return out.take_leaves()
 
@@ -129,7 +129,7 @@ def custom_jvp_with_values(trace, primitive, fun, jvp, tracers, symbolic_zeros):
         if structured:
             primal_values = inputs.rebuild(primals)
             tangent_values = inputs.rebuild_tangents(primals, tangents)
-            outs = quaxify(jvp_dense)(*primal_values, *tangent_values)
+            outs = lifted_call(jvp_dense, *primal_values, *tangent_values)
             n = len(outs) // 2
             primal_out = _Flattened(outs[:n])
             tangent_out = _Flattened([_tangent_like(p, t) for p, t in zip(outs[:n], outs[n:])])
@@ -151,7 +151,9 @@ def custom_jvp_with_values(trace, primitive, fun, jvp, tracers, symbolic_zeros):
 
     def rule_primal_leaves(*leaves):
         zeros = [jnp.zeros_like(x) if _is_inexact(x) else _tangent_zeros_like(x) for x in leaves]
-        outs = quaxify(jvp_dense)(*inputs.rebuild(leaves), *inputs.rebuild_tangents(leaves, zeros))
+        outs = lifted_call(
+            jvp_dense, *inputs.rebuild(leaves), *inputs.rebuild_tangents(leaves, zeros)
+        )
         out = _Flattened(outs[: len(outs) // 2])
         outputs[:] = [out]
         return out.take_leaves()
@@ -184,7 +186,7 @@ def custom_vjp_with_values(trace, primitive, fun, fwd, bwd, tracers, out_trees, 
 
     @jax.custom_vjp
     def leaf_function(*leaves):
-        out = _Flattened(quaxify(primal_dense)(*inputs.rebuild(leaves)))
+        out = _Flattened(lifted_call(primal_dense, *inputs.rebuild(leaves)))
         outputs[:] = [out]
         return out.take_leaves()
 
@@ -199,7 +201,7 @@ def custom_vjp_with_values(trace, primitive, fun, fwd, bwd, tracers, out_trees, 
         def call_fwd(*v):
             return fwd.call_wrapped(*[z for pair in zip(v, perturbed) for z in pair])
 
-        outs = quaxify(call_fwd)(*in_values)
+        outs = lifted_call(call_fwd, *in_values)
         _, res_tree, input_fwds = out_trees()
         num_res_out = res_tree.num_leaves - sum(f is not None for f in input_fwds)
         res_out = iter(outs[:num_res_out])
@@ -217,7 +219,7 @@ def custom_vjp_with_values(trace, primitive, fun, fwd, bwd, tracers, out_trees, 
         out_cts = [_instantiate(ct) for ct in out_cts]
         # Cotangents of Value outputs are rebuilt as Values of the same type.
         cts = outputs[0].rebuild_tangents(out_leaves, out_cts)
-        in_cts = quaxify(bwd.call_wrapped)(*residuals, *cts)
+        in_cts = lifted_call(bwd.call_wrapped, *residuals, *cts)
         return tuple(_leaf_cotangents(inputs, in_leaves, in_cts, in_perturbed[0]))
 
     in_perturbed: list = []

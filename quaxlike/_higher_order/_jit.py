@@ -1,5 +1,6 @@
 """`jit` (a `jax.jit` inside the quaxified function) and `closed_call`."""
 
+import functools as ft
 import weakref
 
 import equinox as eqx
@@ -7,8 +8,9 @@ import jax
 import jax.tree_util as jtu
 
 from .. import _jax_compat as jc
-from .._quaxify import quaxify
+from .._quaxify import lifted_call
 from .._rules import register
+from .._trace import inlines
 from ._common import AnyValue, through_array_leaves
 
 
@@ -27,7 +29,7 @@ class _CachedBody:
         jaxpr_ref = weakref.ref(jaxpr)
 
         def run(dynamic_args):
-            body = quaxify(jc.jaxpr_as_fun(jaxpr_ref()))
+            body = ft.partial(lifted_call, jc.jaxpr_as_fun(jaxpr_ref()))
             out = body(*eqx.combine(dynamic_args, static))
             dynamic_out, self.out_static = eqx.partition(out, eqx.is_array)
             return dynamic_out
@@ -57,9 +59,10 @@ def _cached_body(jaxpr, name: str, args) -> "_CachedBody | None":
 
 
 @register(jc.jit_p)
+@inlines(jc.jit_p, lambda params: params["jaxpr"] if params.get("inline") else None)
 def jit_p_values(*args: AnyValue, jaxpr, inline: bool = False, name: str = "jit", **params):
     if inline:
-        return quaxify(jc.jaxpr_as_fun(jaxpr))(*args)
+        return lifted_call(jc.jaxpr_as_fun(jaxpr), *args)
     # Keep the jit boundary: the Values' array leaves become the jit's arguments.
     cached = _cached_body(jaxpr, name, args)
     if cached is not None:
@@ -69,9 +72,10 @@ def jit_p_values(*args: AnyValue, jaxpr, inline: bool = False, name: str = "jit"
         fn.__name__ = fn.__qualname__ = name
         return jax.jit(fn)
 
-    return through_array_leaves(jit_named, quaxify(jc.jaxpr_as_fun(jaxpr)), args)
+    return through_array_leaves(jit_named, ft.partial(lifted_call, jc.jaxpr_as_fun(jaxpr)), args)
 
 
 @register(jc.closed_call_p)
+@inlines(jc.closed_call_p, lambda params: params["call_jaxpr"])
 def closed_call_p_values(*args: AnyValue, call_jaxpr, **params):
-    return quaxify(jc.jaxpr_as_fun(call_jaxpr))(*args)
+    return lifted_call(jc.jaxpr_as_fun(call_jaxpr), *args)

@@ -1,6 +1,8 @@
 """`while` (`lax.while_loop`, `fori_loop` with traced bounds) and `scan`
 (`lax.scan`, `fori_loop` with static bounds, `lax.map`)."""
 
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
@@ -8,7 +10,7 @@ from jax import lax
 
 from .. import _jax_compat as jc
 from .._diagnostics import messages, QuaxlikeError
-from .._quaxify import quaxify
+from .._quaxify import lifted_call
 from .._rules import register
 from .._values import checked_aval, Value
 from ._common import AnyValue, describe_type, to_dense, type_signature
@@ -65,7 +67,7 @@ def _keep_where_false(predicate, new, old):
         p = lax.broadcast_in_dim(p, jax.numpy.shape(n), tuple(range(p.ndim)))
         return lax.select(p, n, o)
 
-    return quaxify(select)(predicate, new, old)
+    return lifted_call(select, predicate, new, old)
 
 
 @register(jc.while_p)
@@ -75,8 +77,8 @@ def while_p_values(
     cond_consts = args[:cond_nconsts]
     body_consts = args[cond_nconsts : cond_nconsts + body_nconsts]
     init = list(args[cond_nconsts + body_nconsts :])
-    cond_fun = quaxify(jc.jaxpr_as_fun(cond_jaxpr))
-    body_fun = quaxify(jc.jaxpr_as_fun(body_jaxpr))
+    cond_fun = ft.partial(lifted_call, jc.jaxpr_as_fun(cond_jaxpr))
+    body_fun = ft.partial(lifted_call, jc.jaxpr_as_fun(body_jaxpr))
     # vmap of a loop whose predicate depends on the mapped data gives a `while`
     # with one predicate per element: it runs while any holds, and elements whose
     # predicate is false keep their carry (what XLA's lowering of it does).
@@ -182,7 +184,7 @@ def scan_p_values(
         to_dense(x, jc.scan_p) if isinstance(x, Value) and not _scans_by_leaves(x, length) else x
         for x in args[num_consts + num_carry :]
     ]
-    body_fun = quaxify(jc.jaxpr_as_fun(jaxpr))
+    body_fun = ft.partial(lifted_call, jc.jaxpr_as_fun(jaxpr))
 
     def run(dense, record):
         carry = _densify(init, dense, jc.scan_p)
