@@ -65,8 +65,13 @@ def current_trace():
     return _core.trace_ctx.trace
 
 
+def is_eager(trace) -> bool:
+    """Whether `trace` executes operations at once (no transformation, no staging)."""
+    return isinstance(trace, _core.EvalTrace)
+
+
 def check_leaks_enabled() -> bool:
-    return bool(jax.config.jax_check_tracer_leaks)
+    return bool(_config.check_tracer_leaks.value)
 
 
 # --- primitives of higher-order operations -----------------------------------

@@ -3,7 +3,7 @@
 import contextvars
 import re
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, cast, Generic, TypeVar
 
 import equinox as eqx
 import jax.tree_util as jtu
@@ -128,6 +128,7 @@ def call_lifted(leaves, treedef, static, adopts: tuple[QuaxTrace, ...] = ()):
     checking = jc.check_leaks_enabled()
     unchecked = _unchecked_traces.get()
     outermost = checking and unchecked is None
+    token = None
     if outermost:
         unchecked = []
         token = _unchecked_traces.set(unchecked)
@@ -140,10 +141,10 @@ def call_lifted(leaves, treedef, static, adopts: tuple[QuaxTrace, ...] = ()):
             finally:
                 trace.invalidate()
     finally:
-        if outermost:
+        if token is not None:
             _unchecked_traces.reset(token)
     if checking:
-        unchecked.append(trace)
+        cast(list, unchecked).append(trace)  # this call's list, or the enclosing one's
         del trace
         if outermost:
             jc.check_no_leaks(unchecked)

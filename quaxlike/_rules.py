@@ -10,7 +10,7 @@ methods match and which is more specific, and cache the resulting chain of rules
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, cast, TypeVar
 
 import jax
 import plum
@@ -26,6 +26,15 @@ _Rule = TypeVar("_Rule", bound=Callable[..., Any])
 _dispatchers: dict[jc.Primitive, plum.Function] = {}
 # (primitive, argument kinds) -> _Resolution
 _resolution_cache: dict[tuple, "_Resolution"] = {}
+# Bumped by every `register`: caches of anything traced with the rules (the
+# compiled bodies of the `jit` rule) include it in their keys.
+_generation = [0]
+
+
+def rules_generation() -> int:
+    """A number that changes whenever a rule is registered."""
+    return _generation[0]
+
 
 _COMMUTATIVE_NAMES = frozenset(
     ["add", "mul", "max", "min", "and", "or", "xor", "eq", "ne", "add_any"]
@@ -152,7 +161,8 @@ def register(primitive, *, precedence: int = 0) -> Callable[[_Rule], _Rule]:
                 _check_rule_annotations(implementation, prim)
                 _dispatcher_for(prim).register(implementation, precedence=precedence)
         _resolution_cache.clear()
-        return rule
+        _generation[0] += 1
+        return cast(_Rule, rule)
 
     return decorator
 
@@ -237,10 +247,18 @@ def _best(methods: list[plum.Method], values: tuple, primitive: jc.Primitive):
     return AmbiguousRuleError(
         messages.AMBIGUOUS.format(
             primitive=primitive.name,
+            primitive_expression=_expression_for(primitive),
             types=_type_names(values),
             candidates="\n".join(_describe(c) for c in candidates),
         )
     )
+
+
+def _expression_for(primitive: jc.Primitive) -> str:
+    """Python code naming `primitive`, for messages that suggest a `register`."""
+    if getattr(jax.lax, f"{primitive.name}_p", None) is primitive:
+        return f"jax.lax.{primitive.name}_p"
+    return f"<the `{primitive.name}` primitive>"
 
 
 def _chain(methods: list[plum.Method], values: tuple, primitive: jc.Primitive) -> list:
@@ -300,7 +318,7 @@ def _resolve(primitive: jc.Primitive, values: tuple) -> _Resolution:
             )
         )
 
-        def default(primitive, values, params):
+        def default(primitive, values, params) -> Any:
             raise error
     elif len(owners) == 1:
         (owner,) = owners.values()

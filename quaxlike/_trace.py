@@ -21,7 +21,8 @@ from ._values import checked_aval, Value
 # Rules that only say "run this sub-program here" (`jit(inline=True)`, which most
 # `jax.numpy` functions are, and `closed_call`): when such a rule is the one
 # dispatch would choose, the trace evaluates the sub-program's equations itself,
-# without opening a nested trace. Maps the rule's implementation to a function of
+# without opening a nested trace. Not in eager mode: there the rule runs the
+# sub-program compiled, as one call, which beats binding its equations one by one. Maps the rule's implementation to a function of
 # the primitive's params giving the `ClosedJaxpr` to inline, or `None`.
 _inlining_rules: dict[Any, Any] = {}
 _inlinable_primitives: set = set()
@@ -71,6 +72,9 @@ class QuaxTrace(jc.Trace):
         self.adopts = adopts
         # `explain` or checked mode: take the slower, observed path.
         self.instrumented = _instrument.active()
+        # Directly under eager execution, sub-programs are better run compiled
+        # than inlined op by op (see `inlines`).
+        self.eager = jc.is_eager(parent_trace)
 
     def _adopt(self, tracers):
         return [
@@ -117,15 +121,13 @@ class QuaxTrace(jc.Trace):
                 self.parent_trace, tracers, [jax.typeof(t) for t in tracers], params
             )
         values = [self.unwrap(t) for t in tracers]
-        if primitive in _inlinable_primitives:
+        if primitive in _inlinable_primitives and not self.eager:
             rule = chosen_rule(primitive, values)
             jaxpr_of = _inlining_rules.get(rule)
             jaxpr = jaxpr_of(params) if jaxpr_of is not None else None
             if jaxpr is not None:
                 if self.instrumented:
-                    return self._process_observed(
-                        primitive, tracers, params, inline=(jaxpr, rule)
-                    )
+                    return self._process_observed(primitive, tracers, params, inline=(jaxpr, rule))
                 return self._inline(jaxpr, tracers)
         if self.instrumented:
             return self._process_observed(primitive, tracers, params)
@@ -168,12 +170,10 @@ class QuaxTrace(jc.Trace):
                 outputs = self._inline(jaxpr, tracers)
             else:
                 with jc.set_current_trace(self.parent_trace):
-                    out, rule = dispatch(
-                        primitive, values, params, name_scopes=record is not None
-                    )
+                    out, rule = dispatch(primitive, values, params, name_scopes=record is not None)
                 outputs = self._wrap_outputs(out, primitive, rule)
         finally:
-            if record is not None:
+            if recorder is not None and record is not None:
                 recorder.close(record)
         if record is not None:
             if rule is not None:

@@ -37,6 +37,17 @@ class Value(eqx.Module):
     `quaxlike.materialise_policy("warn")`/`("error")` apply to this type; set it
     to `False` for types that are cheap and expected to become dense.
 
+    The class attribute `compile_eagerly` (default `True`) lets a `jax.numpy`
+    function applied to this type outside any transformation run as one cached,
+    compiled call (much faster than its operations one by one). Set it to
+    `False` when your rules compute with concrete values in eager mode (a type
+    holding static Python scalars), which a compiled call would make abstract.
+
+    Unlike other Equinox Modules, a Value's bound methods (`value.materialise`)
+    are ordinary Python bound methods, not PyTrees: rules call them on every
+    primitive, and Equinox's PyTree bound methods cost tens of microseconds
+    each. Pass the Value itself to transformations, not its bound methods.
+
     Most types stand for an array and subclass `ArrayValue` instead, which adds
     `shape`, `dtype`, `ndim` and `size`.
 
@@ -69,6 +80,7 @@ class Value(eqx.Module):
 
     structured_tangents: ClassVar[bool] = True
     warn_on_materialise: ClassVar[bool] = True
+    compile_eagerly: ClassVar[bool] = True
 
     # Equinox looks every attribute of a Module up through a Python-level
     # `__getattribute__` that turns methods into bound-method Modules (PyTrees),

@@ -2,51 +2,88 @@
 
 import functools as ft
 import weakref
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from .. import _jax_compat as jc
+from .. import _instrument, _jax_compat as jc, _policy
 from .._quaxify import lifted_call
-from .._rules import register
+from .._rules import register, rules_generation
 from .._trace import inlines
+from .._values import Value
 from ._common import AnyValue, through_array_leaves
 
 
-# One `jax.jit`-wrapped body per (jaxpr, name, non-array parts of the arguments),
-# so that calling a jitted function on Values again (an eager `qnp.sin(value)` in
-# a loop) hits JAX's compilation cache instead of compiling a fresh function.
+# One `jax.jit`-wrapped body per (jaxpr, name, structure and non-array leaves of
+# the arguments, avals of their array leaves), so that calling a jitted function
+# on Values again (an eager `qnp.sin(value)` in a loop, or any `jax.numpy`
+# function eagerly) goes through JAX's C++ dispatch of one compiled program.
 # JAX hands out the same jaxpr object for the same function and argument types.
 _bodies: "weakref.WeakKeyDictionary[jc.ClosedJaxpr, dict]" = weakref.WeakKeyDictionary()
 
 
+def _split(tree) -> tuple[list, tuple, Any, tuple]:
+    """The array leaves of `tree`, their positions among all leaves, the tree
+    structure, and the other leaves (`None` where an array was)."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    positions = tuple(i for i, leaf in enumerate(leaves) if eqx.is_array(leaf))
+    arrays = [leaves[i] for i in positions]
+    for i in positions:
+        leaves[i] = None
+    return arrays, positions, treedef, tuple(leaves)
+
+
+def _join(arrays, positions, treedef, others):
+    leaves = list(others)
+    for i, array in zip(positions, arrays):
+        leaves[i] = array
+    return jtu.tree_unflatten(treedef, leaves)
+
+
 class _CachedBody:
-    def __init__(self, jaxpr, name: str, static):
-        self.out_static = None
+    def __init__(self, jaxpr, name: str, positions, treedef, others):
+        # Set when `run` is traced; the key includes the input avals, so it is
+        # traced once and the output's structure never changes.
+        self.out_structure: list = []
         # A weak reference: the cache entry must not keep its own key alive. `run`
         # is only traced while the jaxpr is in use.
         jaxpr_ref = weakref.ref(jaxpr)
 
-        def run(dynamic_args):
-            body = ft.partial(lifted_call, jc.jaxpr_as_fun(jaxpr_ref()))
-            out = body(*eqx.combine(dynamic_args, static))
-            dynamic_out, self.out_static = eqx.partition(out, eqx.is_array)
-            return dynamic_out
+        def run(*arrays):
+            args = _join(arrays, positions, treedef, others)
+            out = lifted_call(jc.jaxpr_as_fun(jaxpr_ref()), *args)
+            out_arrays, *self.out_structure = _split(out)
+            return out_arrays
 
         run.__name__ = run.__qualname__ = name
         self.jitted = jax.jit(run)
 
-    def __call__(self, args):
-        dynamic, _ = eqx.partition(list(args), eqx.is_array)
-        dynamic_out = self.jitted(dynamic)
-        return eqx.combine(dynamic_out, self.out_static)
+    def __call__(self, arrays):
+        out_arrays = self.jitted(*arrays)
+        return _join(out_arrays, *self.out_structure)
 
 
-def _cached_body(jaxpr, name: str, args) -> "_CachedBody | None":
-    _, static = eqx.partition(list(args), eqx.is_array)
-    leaves, treedef = jtu.tree_flatten(static)
-    key = (name, treedef, tuple(leaves))
+def _cached_body(jaxpr, name: str, args) -> "tuple[_CachedBody, list] | None":
+    # A compiled body runs the rules as they were when it was traced, so its key
+    # names the rules (their generation) and checked mode; and under a "warn" or
+    # "error" materialise policy every call is traced, so that every fallback
+    # is reported. Types may opt out (`Value.compile_eagerly`).
+    if _policy.current_mode() != "allow" or not all(
+        type(a).compile_eagerly for a in args if isinstance(a, Value)
+    ):
+        return None
+    arrays, positions, treedef, others = _split(list(args))
+    key = (
+        name,
+        treedef,
+        positions,
+        others,
+        tuple(jax.typeof(a) for a in arrays),
+        rules_generation(),
+        _instrument.checking.get(),
+    )
     try:
         hash(key)
     except TypeError:  # unhashable non-array leaves: no caching
@@ -54,19 +91,24 @@ def _cached_body(jaxpr, name: str, args) -> "_CachedBody | None":
     per_jaxpr = _bodies.setdefault(jaxpr, {})
     cached = per_jaxpr.get(key)
     if cached is None:
-        cached = per_jaxpr[key] = _CachedBody(jaxpr, name, static)
-    return cached
+        cached = per_jaxpr[key] = _CachedBody(jaxpr, name, positions, treedef, others)
+    return cached, arrays
 
 
 @register(jc.jit_p)
 @inlines(jc.jit_p, lambda params: params["jaxpr"] if params.get("inline") else None)
 def jit_p_values(*args: AnyValue, jaxpr, inline: bool = False, name: str = "jit", **params):
-    if inline:
+    eager = jc.is_eager(jc.current_trace())
+    if inline and not eager:
         return lifted_call(jc.jaxpr_as_fun(jaxpr), *args)
-    # Keep the jit boundary: the Values' array leaves become the jit's arguments.
+    # Keep the jit boundary (or, for an inline jit run eagerly, run it as one
+    # compiled call): the Values' array leaves become the jit's arguments.
     cached = _cached_body(jaxpr, name, args)
     if cached is not None:
-        return cached(args)
+        body, arrays = cached
+        return body(arrays)
+    if inline:
+        return lifted_call(jc.jaxpr_as_fun(jaxpr), *args)
 
     def jit_named(fn):
         fn.__name__ = fn.__qualname__ = name
