@@ -158,7 +158,11 @@ def test_unknown_primitive_name():
         quaxlike.register(["sin", "definitely_not_a_prim"])
 
 
-@pytest.mark.parametrize("bad", [42, jnp.sin, None, "sin_p ", object()], ids=repr)
+@pytest.mark.parametrize(
+    "bad",
+    [42, jnp.sin, None, "sin_p ", object()],
+    ids=["int", "jnp.sin", "None", "name-with-space", "object"],
+)
 def test_register_non_primitive(bad):
     with pytest.raises(quaxlike.QuaxlikeError):
         quaxlike.register(bad)

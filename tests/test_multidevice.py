@@ -23,6 +23,8 @@ def test_multidevice_suite():
             "-m",
             "pytest",
             "-q",
+            "-n",
+            "0",  # one process: the outer run already uses the cores
             "-p",
             "no:cacheprovider",
             os.path.join(HERE, "multidevice"),
