@@ -7,15 +7,79 @@ consistently and can be reviewed in one place.
 
 
 class QuaxlikeError(Exception):
-    """Base class of the errors quaxlike raises about how it is used."""
+    """Base class of the errors quaxlike raises about how it is used.
+
+    Raised directly for mistakes such as an unannotated rule argument, a Value no
+    `quaxify` lifted, or a rule that returned the wrong abstract value in checked
+    mode; `AmbiguousRuleError` and `MaterialisationError` are subclasses. Each
+    message names the type, primitive and value involved, and the way out.
+
+    !!! example
+
+        ```python
+        try:
+            @quaxlike.register(jax.lax.sin_p)
+            def sin_p_anything(x, **params):  # no annotation to dispatch on
+                return x
+        except quaxlike.QuaxlikeError as error:
+            print(error)  # ... has a positional argument `x` with no type annotation ...
+        ```
+    """
 
 
 class AmbiguousRuleError(QuaxlikeError, LookupError):
-    """Several rules match a primitive's argument types equally well."""
+    """Several rules match a primitive's argument types equally well.
+
+    The message lists the matching rules with their signatures, precedences and
+    source locations, and three ways out: nest `quaxify` calls with different
+    `filter_spec`s, give one rule a higher `precedence`, or register a rule for
+    exactly that combination of types. Also a `LookupError`.
+
+    !!! example
+
+        ```python
+        class A(quaxlike.DenseArrayValue):
+            pass
+
+        class B(quaxlike.DenseArrayValue):
+            pass
+
+        @quaxlike.register(jax.lax.add_p)
+        def add_p_a_any(x: A, y: ArrayLike | quaxlike.ArrayValue, **params):
+            return x.array + y
+
+        @quaxlike.register(jax.lax.add_p)
+        def add_p_any_b(x: ArrayLike | quaxlike.ArrayValue, y: B, **params):
+            return x + y.array
+
+        try:
+            quaxlike.quaxify(lambda a, b: a + b)(A(jnp.ones(2)), B(jnp.ones(2)))
+        except quaxlike.AmbiguousRuleError as error:
+            print(error)  # lists both rules, and the ways out
+        ```
+    """
 
 
 class MaterialisationError(QuaxlikeError):
-    """A Value could not be materialised where a primitive needed it."""
+    """A Value could not be materialised where a primitive needed it.
+
+    Raised when a primitive has no rule for a Value's type and the type refuses to
+    become dense (its `materialise()` raised: the message then shows the rule to
+    register), and under `materialise_policy("error")` whenever a Value would fall
+    back to being dense.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.lora import LoraArray
+
+        weight = LoraArray(jnp.ones((3, 2)), rank=1, key=jr.key(0))  # refuses by default
+        try:
+            quaxlike.quaxify(jnp.exp)(weight)
+        except quaxlike.MaterialisationError as error:
+            print(error)  # names `exp` and LoraArray, and the rule signature to write
+        ```
+    """
 
 
 class messages:
@@ -46,7 +110,7 @@ class messages:
         "only sees one of the types: "
         "`quaxify(quaxify(fn, filter_spec=is_a), filter_spec=is_b)`; the inner one "
         "is dispatched first.\n"
-        "  2. Give one rule priority: `@quaxlike.register({primitive}, precedence=1)`.\n"
+        "  2. Give one rule priority: `@quaxlike.register({primitive_expression}, precedence=1)`.\n"
         "  3. Register a rule for exactly this combination of types."
     )
     CONFLICTING_DEFAULTS = (

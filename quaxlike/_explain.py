@@ -29,7 +29,21 @@ class Report:
 
     `str(report)` is a readable listing with counts per rule and per primitive;
     `report.program()` renders `jaxpr` as Python-like code with the rule that
-    emitted each equation as a comment.
+    emitted each equation as a comment. Reports are made by `quaxlike.explain`,
+    not constructed directly.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.zero import Zero
+
+        report = quaxlike.explain(lambda z, x: jnp.exp(z * x))(
+            Zero((3,), jnp.float32), jnp.ones(3)
+        )
+        assert report.primitive_counts["mul"] == 1  # `z * x`: a Zero by its rule
+        assert len(report.materialised) == 1        # `exp(0)` is 1: materialised
+        print(report.program())
+        ```
     """
 
     def __init__(self, name: str, records: list[Record], jaxpr, out_shape):
@@ -116,7 +130,11 @@ def explain(fn: Callable, filter_spec: PyTree[bool | Callable[[Any], bool]] = Tr
     !!! example
 
         ```python
-        report = quaxlike.explain(model)(x)
+        from quaxlike.examples.lora import LoraArray
+
+        weight = LoraArray(jnp.ones((6, 4)), rank=2, key=jr.key(0))
+        model = lambda w, x: jnp.tanh(w @ x)
+        report = quaxlike.explain(model)(weight, jnp.ones(4))
         print(report)            # which rule ran for each primitive
         print(report.program())  # the program, annotated with the rules
         assert not report.materialised
@@ -160,13 +178,16 @@ def _short(value: Any, limit: int = 60) -> str:
         text = f"{np.asarray(value).item()!r}:{np.dtype(value.dtype).name}"
     else:
         text = repr(value)
+    # One line per equation: multi-line reprs (JAX's wrapped functions) are
+    # folded onto one.
+    text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _uninteresting(value) -> bool:
     """Params left out of the rendering: unset options, functions, and tuples of
     nothing but those (a `jit`'s unspecified shardings and layouts)."""
-    if value is None or value is False or callable(value):
+    if value is None or value is False or callable(value) or isinstance(value, jc.WrappedFun):
         return True
     if type(value).__name__ == "UnspecifiedValue":
         return True

@@ -11,7 +11,7 @@ the enclosing one, and anything the rules hand back is returned as it is.
 
 import operator
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -52,8 +52,8 @@ def _in_trace(name: str, kind: str) -> Callable[..., Any]:
     "property"."""
 
     if kind == "method":
-
-        def on_tracer(x, *args, **kwargs):
+        # One name, two signatures (one per branch): pyright flags the pair.
+        def on_tracer(x, *args, **kwargs):  # pyright: ignore[reportRedeclaration]
             return getattr(x, name)(*args, **kwargs)
     else:
 
@@ -162,16 +162,24 @@ class ArrayOperators:
         refused (`__array_ufunc__ = None`), which also makes `numpy_array * x` use
         the reflected operator of `x`.
 
+    **Arguments:**
+
+    None of its own: it adds methods only. The class it is mixed into keeps its
+    fields and constructor.
+
     !!! example
 
         ```python
+        from quaxlike.examples.zero import Zero
+
         class MyZero(quaxlike.ArrayOperators, Zero):
             pass
 
         z = MyZero((3, 3), jnp.float32)
-        z * 2          # a Zero, by Zero's `mul` rule
-        (z @ x).shape  # a Zero of shape (3, ...)
-        z + x          # `x` itself: Zero's `add` rule returns the other operand
+        x = jnp.arange(6.0).reshape(3, 2)
+        assert isinstance(z * 2, Zero)          # Zero's `mul` rule
+        assert isinstance(z @ x, Zero) and (z @ x).shape == (3, 2)
+        assert (z + jnp.ones((3, 3)) == 1).all()  # Zero's `add` rule: the other operand
         ```
     """
 
@@ -247,7 +255,8 @@ class ArrayOperators:
         """Indexed updates, as `jax.Array.at`: `x.at[index].set(y)`, `.add(y)`,
         `.multiply(y)`, `.min(y)`, `.max(y)`, `.get()`, ... each routed through
         `quaxify`."""
-        return _IndexUpdateHelper(self)
+        # `__init_subclass__` makes every Module using this mixin an `ArrayValue`.
+        return _IndexUpdateHelper(cast(ArrayValue, self))
 
     def __len__(self) -> int:
         shape = self.shape  # pyright: ignore[reportAttributeAccessIssue]

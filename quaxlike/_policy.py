@@ -42,8 +42,15 @@ def materialise_policy(mode: str) -> Iterator[None]:
     !!! example
 
         ```python
+        from quaxlike.examples.lora import LoraArray
+
+        weight = LoraArray(jnp.ones((3, 2)), rank=1, key=jr.key(0), allow_materialise=True)
         with quaxlike.materialise_policy("error"):
-            loss = quaxlike.quaxify(model)(x)  # raises if a LoraArray went dense
+            y = quaxlike.quaxify(lambda w, x: w @ x)(weight, jnp.ones(2))  # a rule: fine
+            try:
+                quaxlike.quaxify(jnp.exp)(weight)  # no rule for `exp`: would go dense
+            except quaxlike.MaterialisationError as error:
+                print(error)  # names LoraArray, `exp` and this line
         ```
     """
     if mode not in _config.MATERIALISE_MODES:

@@ -6,6 +6,7 @@ by a low-rank change of its weights. Only the LoRA factors are trained.
 
 import equinox as eqx
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import jax.random as jr
 import optax

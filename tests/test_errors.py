@@ -26,7 +26,9 @@ def test_refusing_type_names_primitive_types_and_rule_to_write():
 
 def test_refusing_type_error_lists_all_argument_types():
     lora = LoraArray(jnp.ones((3, 3)), rank=1, key=jr.key(0))
-    with pytest.raises(quaxlike.MaterialisationError, match=r"argument types \(LoraArray, ArrayImpl\)"):
+    with pytest.raises(
+        quaxlike.MaterialisationError, match=r"argument types \(LoraArray, ArrayImpl\)"
+    ):
         quaxlike.quaxify(lax.atan2)(lora, jnp.ones((3, 3)))
 
 
@@ -54,7 +56,9 @@ def test_materialise_with_wrong_shape():
         def materialise(self):
             return jnp.ones((4,))
 
-    with pytest.raises(quaxlike.QuaxlikeError, match=r"returned an array of type float32\[4\].*says float32\[3\]"):
+    with pytest.raises(
+        quaxlike.QuaxlikeError, match=r"returned an array of type float32\[4\].*says float32\[3\]"
+    ):
         quaxlike.quaxify(jnp.sin)(WrongShape(jnp.ones(3)))
 
 
@@ -152,7 +156,11 @@ def test_arraylike_rule_annotation_accepted():
 
     @quaxlike.register(lax.atan2_p)
     def atan2_p_tag_any(x: Tag, y: ArrayLike | quaxlike.ArrayValue, **params):
-        return Tag(lax.atan2(x.x, quaxlike.internal.materialise_value(y) if isinstance(y, quaxlike.Value) else y))
+        return Tag(
+            lax.atan2(
+                x.x, quaxlike.internal.materialise_value(y) if isinstance(y, quaxlike.Value) else y
+            )
+        )
 
     out = quaxlike.quaxify(lax.atan2)(Tag(jnp.ones(2)), jnp.ones(2))
     assert isinstance(out, Tag) and jnp.allclose(out.x, jnp.pi / 4)

@@ -23,10 +23,6 @@ from quaxlike.examples.zero import Zero
 _KEY = jr.key(0)
 
 
-
-
-
-
 def make_lora(seed, shape=(4, 3), rank=2, *, allow_materialise=False):
     """A LoraArray whose `b` is non-zero, so that `A @ B` matters."""
     *batch, m, n = shape
@@ -61,7 +57,9 @@ def lora_grads(fn, lora, *args):
         return jnp.sum(fn(lora.w + a @ b, *args))
 
     # Jitted: one compilation instead of one per eager primitive.
-    return jax.jit(jax.grad(loss, (0, 1)))(lora.a, lora.b), jax.jit(jax.grad(ref, (0, 1)))(lora.a, lora.b)
+    return jax.jit(jax.grad(loss, (0, 1)))(lora.a, lora.b), jax.jit(jax.grad(ref, (0, 1)))(
+        lora.a, lora.b
+    )
 
 
 def assert_lora_grads(fn, lora, *args, rtol=1e-4, atol=1e-5):
@@ -533,8 +531,6 @@ def _bilinear_jvp(primals, tangents):
     return bilinear_plus_sin(u, v), tu * v + u * tv + jnp.cos(v) * tv
 
 
-
-
 def test_custom_jvp_own_elementwise_lora(getseed):
     lora = make_lora(getseed(), allow_materialise=True)
     x = randn(getseed(), (3,))
@@ -578,7 +574,9 @@ def test_custom_jvp_own_zero(getseed):
     assert isinstance(quaxlike.quaxify(cube)(z), Zero)
 
 
-@pytest.mark.parametrize("fn", [jax.nn.relu, jax.nn.gelu, jax.nn.softplus], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "fn", [jax.nn.relu, jax.nn.gelu, jax.nn.softplus], ids=lambda f: f.__name__
+)
 def test_custom_jvp_jax_nn_lora(getseed, fn):
     lora = make_lora(getseed(), allow_materialise=True)
     x = randn(getseed(), (3,))
@@ -593,7 +591,9 @@ def test_custom_jvp_jax_nn_lora(getseed, fn):
         assert_lora_grads(f, lora, x)
 
 
-@pytest.mark.parametrize("fn", [jax.nn.relu, jax.nn.gelu, jax.nn.softplus], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "fn", [jax.nn.relu, jax.nn.gelu, jax.nn.softplus], ids=lambda f: f.__name__
+)
 def test_custom_jvp_jax_nn_passthrough(getseed, fn):
     y = randn(getseed(), (5,))
     if fn is jax.nn.softplus:
@@ -613,7 +613,9 @@ def _check_passthrough(fn, y):
     assert tree_allclose(got, expected, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fn", [jax.nn.relu, jax.nn.gelu, jax.nn.softplus], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "fn", [jax.nn.relu, jax.nn.gelu, jax.nn.softplus], ids=lambda f: f.__name__
+)
 def test_custom_jvp_jax_nn_zero(getseed, fn):
     with jax.check_tracer_leaks(fn is not jax.nn.softplus):  # (see the passthrough test)
         out = quaxlike.quaxify(fn)(Zero((4,), jnp.float32))

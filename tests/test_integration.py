@@ -49,9 +49,11 @@ def test_loraify_mlp_matches_merge_after_update(mlp, xs):
     model = loraify(mlp, rank=2, key=jr.key(1))
     rng = np.random.default_rng(1)
     model = jax.tree_util.tree_map(
-        lambda x: x.with_factors(x.w, x.a, jnp.asarray(rng.standard_normal(x.b.shape), jnp.float32))
-        if is_lora(x)
-        else x,
+        lambda x: (
+            x.with_factors(x.w, x.a, jnp.asarray(rng.standard_normal(x.b.shape), jnp.float32))
+            if is_lora(x)
+            else x
+        ),
         model,
         is_leaf=is_lora,
     )

@@ -20,10 +20,6 @@ RTOL, ATOL = 1e-4, 1e-5
 _KEY = jr.key(0)
 
 
-
-
-
-
 def make_lora(seed, shape=(4, 3), rank=2, *, allow_materialise=False, stop_gradient=True):
     *batch, m, n = shape
     lora = LoraArray(
@@ -199,7 +195,9 @@ def test_vmap_outside_returns_value(getseed):
 
 def test_vmap_outside_zero(getseed):
     xs = randn(getseed(), (6, 3))
-    out = jax.vmap(quaxlike.quaxify(lambda z, x: z * x + x), in_axes=(None, 0))(Zero((3,), jnp.float32), xs)
+    out = jax.vmap(quaxlike.quaxify(lambda z, x: z * x + x), in_axes=(None, 0))(
+        Zero((3,), jnp.float32), xs
+    )
     assert tree_allclose(out, xs)
 
 
@@ -222,7 +220,9 @@ def test_filter_grad_outside(setup):
 def test_filter_value_and_grad_outside(setup):
     lora, x = setup
     value, grads = eqx.filter_jit(eqx.filter_value_and_grad(quaxlike.quaxify(loss)))(lora, x)
-    expected_value, (_, ga, gb) = jax.value_and_grad(loss_factors, (0, 1, 2))(lora.w, lora.a, lora.b, x)
+    expected_value, (_, ga, gb) = jax.value_and_grad(loss_factors, (0, 1, 2))(
+        lora.w, lora.a, lora.b, x
+    )
     assert tree_allclose((value, grads.a, grads.b), (expected_value, ga, gb), rtol=RTOL, atol=ATOL)
 
 
@@ -342,7 +342,9 @@ def test_vmap_inside_over_value_no_materialise(getseed):
 
 def test_vmap_inside_zero(getseed):
     xs = randn(getseed(), (6, 3))
-    out = quaxlike.quaxify(lambda z, xs: jax.vmap(lambda x: z * x + x)(xs))(Zero((3,), jnp.float32), xs)
+    out = quaxlike.quaxify(lambda z, xs: jax.vmap(lambda x: z * x + x)(xs))(
+        Zero((3,), jnp.float32), xs
+    )
     assert tree_allclose(out, xs)
 
 

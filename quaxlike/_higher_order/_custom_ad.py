@@ -233,7 +233,8 @@ def custom_vjp_with_values(trace, primitive, fun, fwd, bwd, tracers, out_trees, 
 def _instantiate(ct):
     """A dense array for a symbolic-zero cotangent; others unchanged."""
     if isinstance(ct, jax.custom_derivatives.SymbolicZero):
-        return jnp.zeros(ct.shape, ct.dtype)
+        # `SymbolicZero.__getattr__` forwards `dtype` to its aval.
+        return jnp.zeros(ct.shape, ct.dtype)  # pyright: ignore[reportArgumentType]
     return ct
 
 

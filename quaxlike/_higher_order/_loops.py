@@ -2,6 +2,7 @@
 (`lax.scan`, `fori_loop` with static bounds, `lax.map`)."""
 
 import functools as ft
+from typing import cast
 
 import equinox as eqx
 import jax
@@ -148,8 +149,11 @@ def _scans_by_leaves(value: Value, length: int) -> bool:
     leaves = _array_leaves(value)
     if not leaves or any(leaf.ndim == 0 or leaf.shape[0] != length for leaf in leaves):
         return False
-    step = _aval_of_leaves(value, [leaf.shape[1:] for leaf in leaves])
-    full = checked_aval(value)
+    # A scanned Value stands for an array: its avals are `ShapedArray`s.
+    step = cast(
+        "jc.ShapedArray | None", _aval_of_leaves(value, [leaf.shape[1:] for leaf in leaves])
+    )
+    full = cast(jc.ShapedArray, checked_aval(value))
     return step is not None and step.shape == full.shape[1:] and step.dtype == full.dtype
 
 
@@ -158,8 +162,10 @@ def _stacks_by_leaves(value: Value, length: int) -> bool:
     leaves = _array_leaves(value)
     if not leaves:
         return False
-    stacked = _aval_of_leaves(value, [(length, *leaf.shape) for leaf in leaves])
-    step = checked_aval(value)
+    stacked = cast(
+        "jc.ShapedArray | None", _aval_of_leaves(value, [(length, *leaf.shape) for leaf in leaves])
+    )
+    step = cast(jc.ShapedArray, checked_aval(value))
     return (
         stacked is not None
         and stacked.shape == (length, *step.shape)

@@ -20,7 +20,7 @@ the rules see per-device Values. Outputs are treated the same way in reverse.
 """
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -59,7 +59,7 @@ def _guess_leaf_specs(value: Value, spec, shape: tuple[int, ...], inside: bool) 
     specs = []
     for leaf in jtu.tree_leaves(value):
         aval = jax.typeof(leaf)
-        varying = aval.mat.varying if tracking else None
+        varying = aval.mat.varying if tracking else frozenset()
         if aval.ndim != len(shape):
             if varying:
                 return None
@@ -111,7 +111,7 @@ def _leaf_specs(value: Value, spec, mesh, *, inside: bool) -> list | None:
     """Per-leaf specs for `value` with `spec`, or `None` if the Value must be
     materialised instead. `inside` says whether `value` holds per-device leaves
     (an output of the body) rather than global ones (an input)."""
-    shape = tuple(type(value).aval(value).shape)
+    shape = tuple(cast(jc.ShapedArray, type(value).aval(value)).shape)
     factors = [_axis_factor(mesh, e) for e in _spec_entries(spec, len(shape))]
     if inside:
         local_shape = shape

@@ -1,5 +1,5 @@
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 
@@ -8,11 +8,13 @@ from .._values import checked_aval, Value
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    aval = checked_aval(x) if isinstance(x, Value) else jax.typeof(x)
+    aval = cast(jc.ShapedArray, checked_aval(x)) if isinstance(x, Value) else jax.typeof(x)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
-def output_aval(primitive: jc.Primitive, args: Sequence[Any], params: dict[str, Any]):
+# Returns `Any`, as `primitive.bind` does: a `ShapedArray`, or a list of them when
+# `primitive.multiple_results`, which only the caller knows statically.
+def output_aval(primitive: jc.Primitive, args: Sequence[Any], params: dict[str, Any]) -> Any:
     """The aval `primitive.bind(*args, **params)` would return, worked out abstractly.
 
     **Arguments:**
@@ -25,6 +27,20 @@ def output_aval(primitive: jc.Primitive, args: Sequence[Any], params: dict[str, 
 
     A `ShapedArray` (a list of them for a primitive with multiple results). No
     operation is added to any traced program.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.zero import Zero
+
+        aval = quaxlike.internal.output_aval(
+            jax.lax.dot_general_p,
+            [Zero((3, 4), jnp.float32), jnp.ones((4, 5))],
+            dict(dimension_numbers=(((1,), (0,)), ((), ())), precision=None,
+                 preferred_element_type=jnp.float32, out_sharding=None),
+        )
+        assert aval.shape == (3, 5)
+        ```
     """
     out = jax.eval_shape(lambda *xs: primitive.bind(*xs, **params), *map(_struct, args))
     to_aval = lambda s: jc.ShapedArray(s.shape, s.dtype, weak_type=s.weak_type)  # noqa: E731

@@ -17,6 +17,16 @@ def dot_general_labels(dimension_numbers, lhs_ndim: int, rhs_ndim: int):
     `(lhs, rhs, out)`: lists of int labels, one per dimension. Contracted and batch
     pairs share a label; labels are below `lhs_ndim + rhs_ndim`, so larger ints are
     free for new dimensions. `out` is laid out as `dot_general` lays out its result.
+
+    !!! example
+
+        ```python
+        # a batched matrix product: (batch, m, k) x (batch, k, n)
+        lhs, rhs, out = quaxlike.internal.dot_general_labels(
+            (((2,), (1,)), ((0,), (0,))), lhs_ndim=3, rhs_ndim=3
+        )
+        assert lhs == [0, 1, 2] and rhs == [0, 2, 5] and out == [0, 1, 5]
+        ```
     """
     (lc, rc), (lb, rb) = dimension_numbers
     lhs = list(range(lhs_ndim))
@@ -42,6 +52,16 @@ def contract_labelled(x, x_labels: list, y, y_labels: list, keep: set, params: d
     **Returns:**
 
     The result and its labels: batch, then `x`'s free, then `y`'s free.
+
+    !!! example
+
+        ```python
+        # `x @ y` with y = a @ b, without forming a @ b: contract label 1, then 2
+        x, a, b = jnp.ones((3, 4)), jnp.ones((4, 2)), jnp.ones((2, 5))
+        xa, labels = quaxlike.internal.contract_labelled(x, [0, 1], a, [1, 2], set(), {})
+        out, labels = quaxlike.internal.contract_labelled(xa, labels, b, [2, 3], set(), {})
+        assert labels == [0, 3] and jnp.allclose(out, x @ (a @ b))
+        ```
     """
     shared = [label for label in x_labels if label in y_labels]
     batch = [label for label in shared if label in keep]

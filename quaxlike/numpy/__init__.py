@@ -20,13 +20,13 @@ import jax.numpy as _jnp
 from ._mirror import Mirror as _Mirror
 
 
-_mirror = _Mirror(_sys.modules[__name__], _jnp)
-__all__ = list(_mirror.names)  # pyright: ignore[reportUnsupportedDunderAll]
+_namespace = _Mirror(_sys.modules[__name__], _jnp)
+__all__ = list(_namespace.names)  # pyright: ignore[reportUnsupportedDunderAll]
 
 
 def __getattr__(name: str) -> _Any:
-    return _mirror.getattr(name)
+    return _namespace.getattr(name)
 
 
 def __dir__() -> list[str]:
-    return _mirror.dir()
+    return _namespace.dir()

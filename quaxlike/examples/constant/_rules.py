@@ -19,9 +19,10 @@ exactly and add nothing to a traced program.
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast, overload
 
 import jax
+import jax.core
 import jax.extend.core.primitives as jex_primitives
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +46,11 @@ _Parts = tuple[bool, Any]
 # --- helpers --------------------------------------------------------------------
 
 
-def _scalar_parts(x) -> _Parts | None:
+@overload
+def _scalar_parts(x: Constant) -> _Parts: ...
+@overload
+def _scalar_parts(x: Any) -> _Parts | None: ...
+def _scalar_parts(x: Any) -> _Parts | None:
     """For a Constant or a rank-0 array: whether it is known at trace time, and
     its scalar. `None` for anything else."""
     if isinstance(x, Constant):
@@ -329,7 +334,7 @@ def _make_elementwise_rule(primitive, scalar_operands: bool):
         parts = [_scalar_parts(a) for a in args]
         aval = output_aval(primitive, args, params)
         if all(p is not None for p in parts):
-            scalars = _apply(primitive, parts, **params)
+            scalars = _apply(primitive, cast("list[_Parts]", parts), **params)
             if aval.shape == () and not all(isinstance(a, Constant) for a in args):
                 # A dense scalar took part: a rank-0 Constant would be no cheaper
                 # than the scalar itself, and would turn a result like
@@ -522,6 +527,8 @@ def dot_general_p_constant(x: _Operand, y: _Operand, *, dimension_numbers, **par
         constant, dense, contract, batch, dense_is_left = x, y, y_contract, y_batch, False
     else:
         constant, dense, contract, batch, dense_is_left = y, x, x_contract, x_batch, True
+    # The rule runs only when an operand is a Constant, and two returned above.
+    constant, dense = cast(Constant, constant), cast(ArrayLike, dense)
     scalar = _converted(_scalar_parts(constant), dtype)
     if scalar[0] and scalar[1] == 0:
         return _filled(0, aval)

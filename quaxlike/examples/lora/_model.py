@@ -70,7 +70,7 @@ def _glob(pattern: list[str], path: list[str]) -> bool:
     return bool(path) and fnmatch.fnmatchcase(path[0], head) and _glob(rest, path[1:])
 
 
-def _as_predicate(where: Any) -> Callable[[str, Any], bool]:
+def _as_predicate(where: Any) -> Callable[[str, Any], object]:
     if isinstance(where, str):
         where = [where]
     if isinstance(where, (list, tuple)) and all(isinstance(p, str) for p in where):
@@ -200,6 +200,15 @@ def trainable_filter(model: PyTree) -> PyTree[bool]:
     A PyTree of bools with the structure of `model`, for
     `eqx.partition(model, trainable_filter(model))`: `True` at the `a` and `b` of
     every `LoraArray`, `False` everywhere else (frozen weights, biases, ...).
+
+    !!! example
+
+        ```python
+        model = loraify(eqx.nn.Linear(3, 2, key=jr.key(0)), rank=1, key=jr.key(1))
+        spec = trainable_filter(model)
+        assert spec.weight.a and spec.weight.b
+        assert not spec.weight.w and not spec.bias
+        ```
     """
 
     def mark(x):
@@ -227,6 +236,11 @@ def partition(model: PyTree) -> tuple[PyTree, PyTree]:
     !!! example
 
         ```python
+        import optax
+
+        model = loraify(eqx.nn.MLP(3, 2, 8, depth=1, key=jr.key(0)), rank=2, key=jr.key(1))
+        x, y = jnp.ones(3), jnp.zeros(2)
+        optimiser = optax.sgd(1e-2)
         trainable, frozen = partition(model)
         opt_state = optimiser.init(trainable)
 
@@ -239,6 +253,9 @@ def partition(model: PyTree) -> tuple[PyTree, PyTree]:
             grads = eqx.filter_grad(loss)(trainable)
             updates, opt_state = optimiser.update(grads, opt_state, trainable)
             return eqx.apply_updates(trainable, updates), opt_state
+
+        trainable, opt_state = step(trainable, opt_state, x, y)
+        model = eqx.combine(trainable, frozen)
         ```
     """
     return eqx.partition(model, trainable_filter(model))
@@ -256,6 +273,16 @@ def merge(model: PyTree) -> PyTree:
     The same PyTree with each `LoraArray` replaced by the ordinary array it stands
     for, so the model runs without `quaxify` and at the cost of the original. No
     `stop_gradient` is applied to `W` here: the merged weight is an ordinary array.
+
+    !!! example
+
+        ```python
+        mlp = eqx.nn.MLP(3, 2, 8, depth=1, key=jr.key(0))
+        model = loraify(mlp, rank=2, key=jr.key(1))
+        dense = merge(model)  # an ordinary eqx.nn.MLP again
+        x = jnp.ones(3)
+        assert jnp.allclose(dense(x), quaxlike.quaxify(model)(x))
+        ```
     """
     return jtu.tree_map(
         lambda x: _dense(x.w, x.a, x.b) if _is_lora(x) else x,

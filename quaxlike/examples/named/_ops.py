@@ -11,6 +11,7 @@ check and carry the names as usual.
 """
 
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import jax.numpy as jnp
 from jax import lax
@@ -70,7 +71,9 @@ def rename(x: NamedArray | ArrayLike, mapping: Mapping[str, Axis]) -> NamedArray
     x = _require_named(x, "rename", "x")
     for old in mapping:
         x.position(old, "rename")
-    return NamedArray(x.array, tuple(mapping.get(name, name) for name in x.axes))
+    # Unnamed axes stay unnamed (`position` above rejects `None` as a key).
+    new_axes = tuple(None if name is None else mapping.get(name, name) for name in x.axes)
+    return NamedArray(x.array, new_axes)
 
 
 def align(x: NamedArray | ArrayLike, axes: Sequence[str]) -> NamedArray:
@@ -84,13 +87,21 @@ def align(x: NamedArray | ArrayLike, axes: Sequence[str]) -> NamedArray:
     **Returns:**
 
     The transposed `NamedArray`, with `axes` as its names.
+
+    !!! example
+
+        ```python
+        x = NamedArray(jnp.zeros((2, 3)), ("batch", "feature"))
+        assert align(x, ("feature", "batch")).shape == (3, 2)
+        ```
     """
     x = _require_named(x, "align", "x")
     axes = tuple(axes)
-    if None in x.axes or sorted(axes) != sorted(x.axes):  # pyright: ignore
+    if None in x.axes or sorted(axes) != sorted(x.axes):  # pyright: ignore[reportArgumentType]
         raise NamedAxisError(_ALIGN_MSG.format(axes=axes, have=x.axes))
     permutation = tuple(x.axes.index(name) for name in axes)
-    return quaxlike.quaxify(lambda a: jnp.transpose(a, permutation))(x)
+    # The rules for a NamedArray operand give a NamedArray.
+    return cast(NamedArray, quaxlike.quaxify(lambda a: jnp.transpose(a, permutation))(x))
 
 
 def sum(x: NamedArray | ArrayLike, axis: str | Sequence[str]) -> NamedArray | Array:  # noqa: A001

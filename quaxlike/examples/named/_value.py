@@ -40,7 +40,18 @@ _NO_SUCH_AXIS_MSG = (
 
 class NamedAxisError(quaxlike.QuaxlikeError):
     """Raised when the axis names of `NamedArray`s do not fit an operation: two
-    different names meet, or a name is missing or repeated."""
+    different names meet, or a name is missing or repeated.
+
+    !!! example
+
+        ```python
+        x = NamedArray(jnp.ones((2, 3)), ("batch", "feature"))
+        y = NamedArray(jnp.ones((2, 3)), ("batch", "hidden"))
+        try:
+            quaxlike.quaxify(lambda a, b: a + b)(x, y)
+        except NamedAxisError as error:
+            print(error)  # position 1 is 'feature' in one and 'hidden' in the other
+        ```"""
 
 
 def check_axes(axes: tuple, shape: tuple[int, ...]) -> None:

@@ -49,6 +49,15 @@ def fold_in(key: PRNGKeyValue | ArrayLike, data: ArrayLike) -> Any:
     **Returns:**
 
     A `PRNGKeyValue`, presented like `key`.
+
+    !!! example
+
+        ```python
+        key = fold_in(PRNGKeyValue(jax.random.key(0)), 3)
+        assert jnp.array_equal(
+            normal(key, (2,)), jax.random.normal(jax.random.fold_in(jax.random.key(0), 3), (2,))
+        )
+        ```
     """
     return quaxlike.quaxify(jax.random.fold_in)(key, data)
 
@@ -70,6 +79,13 @@ def uniform(
     **Returns:**
 
     A plain array: the same numbers `jax.random.uniform` draws from the wrapped key.
+
+    !!! example
+
+        ```python
+        draws = uniform(PRNGKeyValue(jax.random.key(0)), (3,), maxval=2.0)
+        assert jnp.array_equal(draws, jax.random.uniform(jax.random.key(0), (3,), maxval=2.0))
+        ```
     """
     return quaxlike.quaxify(jax.random.uniform)(key, tuple(shape), dtype, minval, maxval)
 
@@ -87,5 +103,12 @@ def normal(
     **Returns:**
 
     A plain array: the same numbers `jax.random.normal` draws from the wrapped key.
+
+    !!! example
+
+        ```python
+        draws = normal(PRNGKeyValue(jax.random.key(0)), (3,))
+        assert jnp.array_equal(draws, jax.random.normal(jax.random.key(0), (3,)))
+        ```
     """
     return quaxlike.quaxify(jax.random.normal)(key, tuple(shape), dtype)

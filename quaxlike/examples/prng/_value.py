@@ -2,7 +2,7 @@
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -15,7 +15,17 @@ from quaxlike.internal import ShapedArray
 
 
 class KeyArithmeticError(quaxlike.QuaxlikeError):
-    """A primitive that treats its operands as numbers was applied to a PRNG key."""
+    """A primitive that treats its operands as numbers was applied to a PRNG key.
+
+    !!! example
+
+        ```python
+        key = PRNGKeyValue(jax.random.PRNGKey(0))  # a legacy uint32[2] key
+        try:
+            quaxlike.quaxify(lambda k: k + 1)(key)
+        except KeyArithmeticError as error:
+            print(error)  # `add` was applied to a PRNG key ...
+        ```"""
 
 
 _NOT_A_NUMBER_MSG = (
@@ -98,13 +108,15 @@ class PRNGKeyValue(quaxlike.ArrayValue):
 
     def __init__(self, key: ArrayLike, *, impl: str | None = None, raw: bool | None = None):
         if is_typed_key(key):
-            self.key = key  # pyright: ignore
+            self.key = key  # pyright: ignore[reportAttributeAccessIssue]
             self.raw = False if raw is None else raw
             return
         dtype = jnp.result_type(key)
         if not jnp.issubdtype(dtype, jnp.unsignedinteger):
             raise TypeError(_NOT_A_KEY_MSG.format(dtype=dtype))
-        self.key = jax.random.wrap_key_data(key, impl=impl)
+        # `wrap_key_data` is annotated `Array` but binds a primitive, which takes
+        # any array-like of unsigned integers.
+        self.key = jax.random.wrap_key_data(cast(jax.Array, key), impl=impl)
         self.raw = True if raw is None else raw
 
     def aval(self) -> ShapedArray:

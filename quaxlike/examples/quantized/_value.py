@@ -84,6 +84,21 @@ class QuantizedArray(quaxlike.ArrayValue):
     All of `QuantizedArray`'s subclasses share the field `transposed` (static):
     when true, the array stands for the stored weight with its last two dimensions
     swapped, as `weight.T` gives.
+
+    **Arguments:**
+
+    None of its own: it is abstract. Build an `Int8Array` or `Int4Array`, usually
+    with `quantize_int8`, `quantize_int4` or `quantize`.
+
+    !!! example
+
+        ```python
+        w = jr.normal(jr.key(0), (4, 8))
+        for q in (quantize_int8(w), quantize_int4(w, group_size=4)):
+            assert isinstance(q, QuantizedArray)
+            y = quaxlike.quaxify(lambda m, x: m @ x)(q, jnp.ones(8))  # on the codes
+            assert jnp.allclose(y, q.dequantize() @ jnp.ones(8), atol=1e-5)
+        ```
     """
 
     transposed: eqx.AbstractVar[bool]
@@ -302,7 +317,8 @@ def quantize_int8(w: ArrayLike, *, allow_materialise: bool = False) -> Int8Array
     """
     w = _as_float_matrix(w, "quantize_int8")
     values, scale = _quantize_int8_arrays(w)
-    return Int8Array(values, scale, allow_materialise=allow_materialise)
+    # Keywords: pyright orders the fields with the `AbstractVar`s of the base first.
+    return Int8Array(values=values, scale=scale, allow_materialise=allow_materialise)
 
 
 def quantize_int4(
@@ -335,7 +351,7 @@ def quantize_int4(
     if group_size <= 0 or group_size % 2 or size % group_size:
         raise ValueError(_BAD_GROUP_MSG.format(group_size=group_size, size=size, shape=w.shape))
     packed, scale = _quantize_int4_arrays(w, group_size)
-    return Int4Array(packed, scale, allow_materialise=allow_materialise)
+    return Int4Array(packed=packed, scale=scale, allow_materialise=allow_materialise)
 
 
 def _is_linear(x: Any) -> bool:
@@ -404,7 +420,27 @@ def quantize(
 
 def dequantize(model: PyTree) -> PyTree:
     """Replace every quantised array in `model` by its dense weight
-    (`QuantizedArray.dequantize`): the plain-JAX model the quantised one computes."""
+    (`QuantizedArray.dequantize`): the plain-JAX model the quantised one computes.
+
+    **Arguments:**
+
+    - `model`: any PyTree holding `QuantizedArray`s, such as the output of
+        `quantize`.
+
+    **Returns:**
+
+    The same PyTree with every `Int8Array` and `Int4Array` replaced by the dense
+    array `codes * scale` it stands for; it runs without `quaxify`.
+
+    !!! example
+
+        ```python
+        mlp = eqx.nn.MLP(8, 2, 16, depth=1, key=jr.key(0))
+        qmlp = quantize(mlp, bits=8)
+        x = jnp.ones(8)
+        assert jnp.allclose(quaxlike.quaxify(qmlp)(x), dequantize(qmlp)(x), atol=1e-5)
+        ```
+    """
     is_quantized = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
     return jtu.tree_map(
         lambda x: x.dequantize() if is_quantized(x) else x, model, is_leaf=is_quantized

@@ -9,6 +9,7 @@ nothing), so padding never needs masking except where coordinates are dropped
 """
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax

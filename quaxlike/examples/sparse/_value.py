@@ -3,6 +3,7 @@ from collections.abc import Sequence
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike
@@ -48,7 +49,7 @@ def in_bounds(indices: Array, shape: tuple[int, ...]) -> Array:
 
 # Jitted so that an eager `fromdense` is one compiled program, not a dozen.
 @ft.partial(jax.jit, static_argnames=("nse", "index_dtype"))
-def _nonzero_entries(x: ArrayLike, nse: int, index_dtype: np.dtype) -> tuple[Array, Array]:
+def _nonzero_entries(x: Array, nse: int, index_dtype: np.dtype) -> tuple[Array, Array]:
     # Padding slots get the out-of-bounds coordinates `x.shape`.
     coordinates = jnp.nonzero(x, size=nse, fill_value=tuple(x.shape))
     data = x.at[coordinates].get(mode="fill", fill_value=0)

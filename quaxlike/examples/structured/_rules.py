@@ -143,7 +143,7 @@ def mul_p_structured_structured(x: StructuredMatrix, y: StructuredMatrix, **para
     return _astype(out, dtype)
 
 
-def _band(y: Array, k: int, n: int) -> Array:
+def _band(y: ArrayLike, k: int, n: int) -> Array:
     """The k-th diagonal of `y` broadcast to `(n, n)`, read without broadcasting."""
     y = jnp.reshape(y, (1,) * (2 - jnp.ndim(y)) + jnp.shape(y))
     length = n - abs(k)

@@ -43,6 +43,19 @@ class StructuredMatrix(quaxlike.ArrayValue):
     Primitives without a rule materialise the dense array.
 
     Subclasses: `Identity`, `ScaledIdentity`, `Diagonal`, `TriDiagonal`.
+
+    **Arguments:**
+
+    None of its own: it is abstract. Build one of the subclasses.
+
+    !!! example
+
+        ```python
+        d = Diagonal(jnp.array([1.0, 2.0, 3.0]))
+        assert isinstance(d, StructuredMatrix)
+        v = jnp.ones(3)
+        assert jnp.allclose(quaxlike.quaxify(lambda a, v: a @ v)(d, v), jnp.diag(d.diagonal()) @ v)
+        ```
     """
 
     # Orders the types by how much they can represent, for mixed-type rules.

@@ -3,11 +3,14 @@ static object that `Unitful` keeps in its PyTree structure."""
 
 import math
 from fractions import Fraction
-from typing import Any
+from typing import Any, TypeAlias
 
 
 # Printing order: `kg*m/s^2` is how a newton is usually written.
 BASE_DIMENSIONS = ("kg", "m", "s", "A", "K")
+
+# An exponent as `Unit` accepts it (a float must equal a simple fraction).
+_Exponent: TypeAlias = int | Fraction | float
 
 # Exponents must stay exact: `sqrt(m^2)` must be `m`, not `m^1.0000000002`.
 _MAX_DENOMINATOR = 1000
@@ -76,7 +79,16 @@ class Unit:
 
     __slots__ = ("_exponents", "_scale", "_hash")
 
-    def __init__(self, *, m=0, s=0, kg=0, A=0, K=0, scale=1.0):
+    def __init__(
+        self,
+        *,
+        m: _Exponent = 0,
+        s: _Exponent = 0,
+        kg: _Exponent = 0,
+        A: _Exponent = 0,
+        K: _Exponent = 0,
+        scale: float = 1.0,
+    ):
         given = {"m": m, "s": s, "kg": kg, "A": A, "K": K}
         self._exponents = tuple(
             _as_fraction(given[name], f"The exponent of {name}") for name in BASE_DIMENSIONS

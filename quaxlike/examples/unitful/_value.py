@@ -20,6 +20,16 @@ from ._unit import dimensionless, Unit
 class UnitError(quaxlike.QuaxlikeError):
     """The units of a primitive's arguments do not fit it: different dimensions
     where they must agree, or a dimensioned quantity where a pure number is needed.
+
+    !!! example
+
+        ```python
+        length, time = Unitful(jnp.ones(2), m), Unitful(jnp.ones(2), s)
+        try:
+            quaxlike.quaxify(lambda a, b: a + b)(length, time)
+        except UnitError as error:
+            print(error)  # `add` needs its arguments in compatible units ...
+        ```
     """
 
 

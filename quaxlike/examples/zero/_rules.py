@@ -10,6 +10,7 @@ the rule returns `NotImplemented`, and the Zero is materialised.
 import math
 
 import jax
+import jax.core
 import jax.extend.core.primitives as jex_primitives
 import jax.numpy as jnp
 import numpy as np
