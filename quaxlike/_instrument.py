@@ -54,7 +54,7 @@ def describe(x: Any) -> str:
 
     if isinstance(x, Value):
         try:
-            return f"{type(x).__qualname__}[{type(x).aval(x).str_short()}]"
+            return f"{type(x).__qualname__}[{x.aval().str_short()}]"
         except Exception:
             return type(x).__qualname__
     try:

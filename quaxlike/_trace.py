@@ -22,8 +22,9 @@ from ._values import checked_aval, Value
 # `jax.numpy` functions are, and `closed_call`): when such a rule is the one
 # dispatch would choose, the trace evaluates the sub-program's equations itself,
 # without opening a nested trace. Not in eager mode: there the rule runs the
-# sub-program compiled, as one call, which beats binding its equations one by one. Maps the rule's implementation to a function of
-# the primitive's params giving the `ClosedJaxpr` to inline, or `None`.
+# sub-program compiled, as one call, which beats binding its equations one by
+# one. Maps the rule's implementation to a function of the primitive's params
+# giving the `ClosedJaxpr` to inline, or `None`.
 _inlining_rules: dict[Any, Any] = {}
 _inlinable_primitives: set = set()
 
@@ -127,10 +128,12 @@ class QuaxTrace(jc.Trace):
             jaxpr = jaxpr_of(params) if jaxpr_of is not None else None
             if jaxpr is not None:
                 if self.instrumented:
-                    return self._process_observed(primitive, tracers, params, inline=(jaxpr, rule))
+                    return self._process_observed(
+                        primitive, tracers, values, params, inline=(jaxpr, rule)
+                    )
                 return self._inline(jaxpr, tracers)
         if self.instrumented:
-            return self._process_observed(primitive, tracers, params)
+            return self._process_observed(primitive, tracers, values, params)
         with jc.set_current_trace(self.parent_trace):
             out, rule = dispatch(primitive, values, params)
         return self._wrap_outputs(out, primitive, rule)
@@ -156,12 +159,11 @@ class QuaxTrace(jc.Trace):
             )
         return self._wrap_output(out, primitive, rule)
 
-    def _process_observed(self, primitive, tracers, params, inline=None):
+    def _process_observed(self, primitive, tracers, values, params, inline=None):
         """`process_primitive` under `explain` (record what ran, and name the
         equations each rule emits) or checked mode (compare each rule's outputs
         with the primitive's abstract evaluation). `inline` is `(jaxpr, rule)`
         when the chosen rule's sub-program is evaluated in this trace."""
-        values = [self.unwrap(t) for t in tracers]
         recorder = _instrument.recorder.get()
         record = recorder.open(primitive, values) if recorder is not None else None
         try:

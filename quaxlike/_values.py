@@ -201,12 +201,12 @@ class ArrayValue(Value):
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the array this Value stands for (from `aval()`)."""
-        return _aval_of(self).shape  # pyright: ignore
+        return self.aval().shape  # pyright: ignore
 
     @property
     def dtype(self) -> np.dtype:
         """The dtype of the array this Value stands for (from `aval()`)."""
-        return _aval_of(self).dtype  # pyright: ignore
+        return self.aval().dtype  # pyright: ignore
 
     @property
     def ndim(self) -> int:
@@ -255,19 +255,9 @@ def is_value(x: Any) -> bool:
     return isinstance(x, Value)
 
 
-def _aval_of(value: Value) -> Any:
-    # Through the class: `value.aval` on an Equinox Module builds a bound-method
-    # Module on every access, which costs more than most `aval()`s themselves.
-    return type(value).aval(value)
-
-
-def _materialise_once(value: Value) -> Any:
-    return type(value).materialise(value)
-
-
 def checked_aval(value: Value) -> jc.AbstractValue:
     """Call `value.aval()` and check it returned an abstract value."""
-    aval = _aval_of(value)
+    aval = value.aval()
     if not isinstance(aval, jc.AbstractValue):
         raise QuaxlikeError(
             messages.BAD_AVAL.format(
@@ -307,7 +297,7 @@ def materialise_value(value: Value, primitive: jc.Primitive | None = None) -> An
         ```
     """
     aval = checked_aval(value)
-    out = _materialise_once(value)
+    out = value.materialise()
     depth = 0
     while isinstance(out, Value):
         depth += 1
@@ -315,7 +305,7 @@ def materialise_value(value: Value, primitive: jc.Primitive | None = None) -> An
             raise QuaxlikeError(
                 messages.MATERIALISE_LOOP.format(type_name=type(value).__qualname__)
             )
-        out = _materialise_once(out)
+        out = out.materialise()
     out_shape = np.shape(out)
     out_dtype = jax.dtypes.result_type(out) if not isinstance(out, jax.Array) else out.dtype
     expected_shape = getattr(aval, "shape", out_shape)

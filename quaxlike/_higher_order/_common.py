@@ -18,6 +18,26 @@ def to_dense(x: Any, primitive) -> Any:
     return fallback_materialise(x, primitive) if isinstance(x, Value) else x
 
 
+def split_arrays(tree) -> tuple[list, tuple, Any, tuple]:
+    """The array leaves of `tree`, their positions among all its leaves, its
+    structure, and its other leaves (`None` where an array was): what crosses a
+    JAX transformation, and what is closed over. `join_arrays` undoes it."""
+    leaves, treedef = jtu.tree_flatten(tree)
+    positions = tuple(i for i, leaf in enumerate(leaves) if eqx.is_array(leaf))
+    arrays = [leaves[i] for i in positions]
+    for i in positions:
+        leaves[i] = None
+    return arrays, positions, treedef, tuple(leaves)
+
+
+def join_arrays(arrays, positions, treedef, others):
+    """The tree `split_arrays` took apart, with `arrays` as its array leaves."""
+    leaves = list(others)
+    for i, array in zip(positions, arrays):
+        leaves[i] = array
+    return jtu.tree_unflatten(treedef, leaves)
+
+
 def through_array_leaves(transform: Callable, fn: Callable, args: Sequence[Any]):
     """Call `transform(body)` where `body` takes only the array leaves of `args`.
 
@@ -26,17 +46,16 @@ def through_array_leaves(transform: Callable, fn: Callable, args: Sequence[Any])
     Those are closed over, and non-array parts of the output are passed back
     outside the transformation, as `eqx.filter_jit` does.
     """
-    dynamic, static = eqx.partition(list(args), eqx.is_array)
-    out_static = []
+    arrays, *structure = split_arrays(list(args))
+    out_structure: list = []
 
-    def body(dynamic_args):
-        out = fn(*eqx.combine(dynamic_args, static))
-        dynamic_out, static_out = eqx.partition(out, eqx.is_array)
-        out_static.append(static_out)
-        return dynamic_out
+    def body(*in_arrays):
+        out_arrays, *found = split_arrays(fn(*join_arrays(in_arrays, *structure)))
+        out_structure[:] = found
+        return out_arrays
 
-    dynamic_out = transform(body)(dynamic)
-    return eqx.combine(dynamic_out, out_static[-1])
+    out_arrays = transform(body)(*arrays)
+    return join_arrays(out_arrays, *out_structure)
 
 
 def type_signature(x: Any):
@@ -60,6 +79,6 @@ def describe_type(x: Any) -> str:
 
 def _aval_text(x: Value) -> str:
     try:
-        return f"[{type(x).aval(x).str_short()}]"
+        return f"[{x.aval().str_short()}]"
     except Exception:  # a broken aval() is reported elsewhere
         return ""

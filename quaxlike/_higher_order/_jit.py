@@ -2,18 +2,15 @@
 
 import functools as ft
 import weakref
-from typing import Any
 
-import equinox as eqx
 import jax
-import jax.tree_util as jtu
 
 from .. import _instrument, _jax_compat as jc, _policy
 from .._quaxify import lifted_call
 from .._rules import register, rules_generation
 from .._trace import inlines
 from .._values import Value
-from ._common import AnyValue, through_array_leaves
+from ._common import AnyValue, join_arrays, split_arrays, through_array_leaves
 
 
 # One `jax.jit`-wrapped body per (jaxpr, name, structure and non-array leaves of
@@ -22,24 +19,6 @@ from ._common import AnyValue, through_array_leaves
 # function eagerly) goes through JAX's C++ dispatch of one compiled program.
 # JAX hands out the same jaxpr object for the same function and argument types.
 _bodies: "weakref.WeakKeyDictionary[jc.ClosedJaxpr, dict]" = weakref.WeakKeyDictionary()
-
-
-def _split(tree) -> tuple[list, tuple, Any, tuple]:
-    """The array leaves of `tree`, their positions among all leaves, the tree
-    structure, and the other leaves (`None` where an array was)."""
-    leaves, treedef = jtu.tree_flatten(tree)
-    positions = tuple(i for i, leaf in enumerate(leaves) if eqx.is_array(leaf))
-    arrays = [leaves[i] for i in positions]
-    for i in positions:
-        leaves[i] = None
-    return arrays, positions, treedef, tuple(leaves)
-
-
-def _join(arrays, positions, treedef, others):
-    leaves = list(others)
-    for i, array in zip(positions, arrays):
-        leaves[i] = array
-    return jtu.tree_unflatten(treedef, leaves)
 
 
 class _CachedBody:
@@ -52,9 +31,9 @@ class _CachedBody:
         jaxpr_ref = weakref.ref(jaxpr)
 
         def run(*arrays):
-            args = _join(arrays, positions, treedef, others)
+            args = join_arrays(arrays, positions, treedef, others)
             out = lifted_call(jc.jaxpr_as_fun(jaxpr_ref()), *args)
-            out_arrays, *self.out_structure = _split(out)
+            out_arrays, *self.out_structure = split_arrays(out)
             return out_arrays
 
         run.__name__ = run.__qualname__ = name
@@ -62,7 +41,7 @@ class _CachedBody:
 
     def __call__(self, arrays):
         out_arrays = self.jitted(*arrays)
-        return _join(out_arrays, *self.out_structure)
+        return join_arrays(out_arrays, *self.out_structure)
 
 
 def _cached_body(jaxpr, name: str, args) -> "tuple[_CachedBody, list] | None":
@@ -74,7 +53,7 @@ def _cached_body(jaxpr, name: str, args) -> "tuple[_CachedBody, list] | None":
         type(a).compile_eagerly for a in args if isinstance(a, Value)
     ):
         return None
-    arrays, positions, treedef, others = _split(list(args))
+    arrays, positions, treedef, others = split_arrays(list(args))
     key = (
         name,
         treedef,
@@ -98,15 +77,13 @@ def _cached_body(jaxpr, name: str, args) -> "tuple[_CachedBody, list] | None":
 @register(jc.jit_p)
 @inlines(jc.jit_p, lambda params: params["jaxpr"] if params.get("inline") else None)
 def jit_p_values(*args: AnyValue, jaxpr, inline: bool = False, name: str = "jit", **params):
-    eager = jc.is_eager(jc.current_trace())
-    if inline and not eager:
-        return lifted_call(jc.jaxpr_as_fun(jaxpr), *args)
-    # Keep the jit boundary (or, for an inline jit run eagerly, run it as one
-    # compiled call): the Values' array leaves become the jit's arguments.
-    cached = _cached_body(jaxpr, name, args)
-    if cached is not None:
-        body, arrays = cached
-        return body(arrays)
+    if not inline or jc.is_eager(jc.current_trace()):
+        # Keep the jit boundary (or, for an inline jit run eagerly, run it as one
+        # compiled call): the Values' array leaves become the jit's arguments.
+        cached = _cached_body(jaxpr, name, args)
+        if cached is not None:
+            body, arrays = cached
+            return body(arrays)
     if inline:
         return lifted_call(jc.jaxpr_as_fun(jaxpr), *args)
 

@@ -111,7 +111,7 @@ def _leaf_specs(value: Value, spec, mesh, *, inside: bool) -> list | None:
     """Per-leaf specs for `value` with `spec`, or `None` if the Value must be
     materialised instead. `inside` says whether `value` holds per-device leaves
     (an output of the body) rather than global ones (an input)."""
-    shape = tuple(cast(jc.ShapedArray, type(value).aval(value)).shape)
+    shape = tuple(cast(jc.ShapedArray, value.aval()).shape)
     factors = [_axis_factor(mesh, e) for e in _spec_entries(spec, len(shape))]
     if inside:
         local_shape = shape
@@ -135,7 +135,7 @@ def _leaf_specs(value: Value, spec, mesh, *, inside: bool) -> list | None:
     if rescaled is None:
         return None
     try:
-        check_shape = tuple(type(rescaled).aval(rescaled).shape)
+        check_shape = tuple(rescaled.aval().shape)
     except Exception:  # an aval() that cannot run on shape structs: be safe
         return None
     return specs if check_shape == other_shape else None

@@ -238,7 +238,29 @@ class ScaledIdentity(StructuredMatrix):
         return ScaledIdentity(self.scale.astype(dtype), self._n)
 
 
-class Diagonal(StructuredMatrix):
+class _StoresDiagonal(StructuredMatrix):
+    """A structured matrix holding its main diagonal as the field `diag`, shape
+    `(*batch, n)`, from which its size, batch shape and dtype follow."""
+
+    diag: eqx.AbstractVar[Array]
+
+    @property
+    def n(self) -> int:
+        return self.diag.shape[-1]
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        return tuple(self.diag.shape[:-1])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.diag.dtype
+
+    def diagonal(self) -> Array:
+        return self.diag
+
+
+class Diagonal(_StoresDiagonal):
     """A diagonal matrix, stored as its diagonal.
 
     `D @ x` costs `O(n)` per column, `D1 @ D2`, `D1 + D2` and `c * D` are
@@ -269,21 +291,6 @@ class Diagonal(StructuredMatrix):
             )
         self.diag = diag
 
-    @property
-    def n(self) -> int:
-        return self.diag.shape[-1]
-
-    @property
-    def batch_shape(self) -> tuple[int, ...]:
-        return tuple(self.diag.shape[:-1])
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.diag.dtype
-
-    def diagonal(self) -> Array:
-        return self.diag
-
     def transpose(self) -> "Diagonal":
         return self
 
@@ -294,7 +301,7 @@ class Diagonal(StructuredMatrix):
         return Diagonal(self.diag.astype(dtype))
 
 
-class TriDiagonal(StructuredMatrix):
+class TriDiagonal(_StoresDiagonal):
     """A tridiagonal matrix, stored as its three bands.
 
     `A[i + 1, i] = lower[i]`, `A[i, i] = diag[i]`, `A[i, i + 1] = upper[i]`.
@@ -342,21 +349,6 @@ class TriDiagonal(StructuredMatrix):
         self.lower = lower
         self.diag = diag
         self.upper = upper
-
-    @property
-    def n(self) -> int:
-        return self.diag.shape[-1]
-
-    @property
-    def batch_shape(self) -> tuple[int, ...]:
-        return tuple(self.diag.shape[:-1])
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.diag.dtype
-
-    def diagonal(self) -> Array:
-        return self.diag
 
     def lower_band(self) -> Array:
         return self.lower
