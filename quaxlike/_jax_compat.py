@@ -45,6 +45,16 @@ Jaxpr = jex_core.Jaxpr
 Literal = jex_core.Literal
 jaxpr_as_fun = jex_core.jaxpr_as_fun
 eval_jaxpr = _core.eval_jaxpr
+current_name_stack = _source_info_util.current_name_stack
+set_name_stack = _source_info_util.set_name_stack
+
+
+def current_eqn_context():
+    """The context (compute type, abstract mesh, XLA metadata, ...) that an
+    equation bound now would record. Interned: compare with `is`."""
+    return _core.JaxprEqnContext()
+
+
 wrap_init = _lu.wrap_init
 WrappedFun = _lu.WrappedFun
 

@@ -196,9 +196,10 @@ def rules_for(primitive: jc.Primitive) -> list[plum.Method]:
 # --- lookup ------------------------------------------------------------------
 
 
-def _kind(x) -> Any:
-    # Everything a signature's match depends on. For tracers, whether they count
-    # as a `jax.Array` depends on the class of their aval (JAX-INTERNALS §1).
+def dispatch_kind(x) -> Any:
+    """Everything about `x` that matching a rule's signature depends on: its type,
+    and for a tracer also the class of its aval (whether a tracer counts as a
+    `jax.Array` depends on it, JAX-INTERNALS §1)."""
     if isinstance(x, jc.Tracer):
         return (type(x), type(x.aval))
     return type(x)
@@ -329,7 +330,7 @@ def _resolve(primitive: jc.Primitive, values: tuple) -> _Resolution:
 
 
 def _resolution(primitive: jc.Primitive, values: tuple) -> _Resolution:
-    key = (primitive, *map(_kind, values))
+    key = (primitive, *map(dispatch_kind, values))
     try:
         return _resolution_cache[key]
     except KeyError:
@@ -344,6 +345,14 @@ def chosen_rule(primitive: jc.Primitive, values: Sequence[Any]) -> Callable | No
     if not chain or isinstance(chain[0], Exception):
         return None
     return chain[0][0].implementation
+
+
+def falls_back_to_materialising(primitive: jc.Primitive, values: Sequence[Any]) -> bool:
+    """Whether `dispatch` would go straight to `Value.default` (materialise every
+    Value and bind) for `values`: no rule matches and no type overrides
+    `default`. Depends only on the kinds of `values` and the registered rules."""
+    resolution = _resolution(primitive, tuple(values))
+    return not resolution.chain and resolution.default is Value.default
 
 
 def dispatch(

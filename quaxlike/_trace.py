@@ -7,15 +7,24 @@ wraps any Values in the result again. Plain arrays leave the interpreter at once
 only Values ever become tracers of this trace.
 """
 
+import contextlib
+import weakref
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from . import _instrument, _jax_compat as jc
+from . import _instrument, _jax_compat as jc, _policy
 from ._diagnostics import messages, QuaxlikeError
-from ._rules import chosen_rule, default_description, dispatch
-from ._values import checked_aval, Value
+from ._rules import (
+    chosen_rule,
+    default_description,
+    dispatch,
+    dispatch_kind,
+    falls_back_to_materialising,
+    rules_generation,
+)
+from ._values import checked_aval, materialise_value, Value
 
 
 # Rules that only say "run this sub-program here" (`jit(inline=True)`, which most
@@ -27,6 +36,18 @@ from ._values import checked_aval, Value
 # giving the `ClosedJaxpr` to inline, or `None`.
 _inlining_rules: dict[Any, Any] = {}
 _inlinable_primitives: set = set()
+
+
+# Sub-programs in which every operation on a Value would only materialise it (no
+# rule matches; `Value.default`): found out while inlining one, and from then on
+# the Values are materialised once at the call and the call goes whole to the
+# parent trace, which inlines its cached program far more cheaply than binding
+# its equations one by one. Keyed on the `ClosedJaxpr` (weakly), then on what
+# the verdict depends on: the parent trace's type (the type of intermediate
+# results), the registered rules, and the kinds of the arguments.
+_materialise_at_call: "weakref.WeakKeyDictionary[Any, dict[tuple, bool]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def inlines(primitive, jaxpr_of):
@@ -131,16 +152,87 @@ class QuaxTrace(jc.Trace):
                     return self._process_observed(
                         primitive, tracers, values, params, inline=(jaxpr, rule)
                     )
-                return self._inline(jaxpr, tracers)
+                return self._call_sub_program(primitive, jaxpr, tracers, values, params)
         if self.instrumented:
             return self._process_observed(primitive, tracers, values, params)
         with jc.set_current_trace(self.parent_trace):
             out, rule = dispatch(primitive, values, params)
         return self._wrap_outputs(out, primitive, rule)
 
-    def _inline(self, jaxpr, tracers):
-        with jc.set_current_trace(self):
-            return jc.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *tracers)
+    def _call_sub_program(self, primitive, closed_jaxpr, tracers, values, params):
+        """Apply a call-like `primitive` (whose built-in rule would inline
+        `closed_jaxpr`): inline it, or, when every operation on a Value in it
+        would only materialise that Value, materialise at the call and hand the
+        call to the parent trace (see `_materialise_at_call`)."""
+        key = (type(self.parent_trace), rules_generation(), *map(dispatch_kind, values))
+        verdicts = _materialise_at_call.get(closed_jaxpr)
+        verdict = None if verdicts is None else verdicts.get(key)
+        if verdict and _policy.current_mode() == "allow":
+            with jc.set_current_trace(self.parent_trace):
+                arrays = [
+                    materialise_value(v, primitive) if isinstance(v, Value) else v for v in values
+                ]
+            avals = [jax.typeof(a) for a in arrays]
+            return primitive.bind_with_trace(self.parent_trace, arrays, avals, params)
+        if verdict is not None:
+            return self._inline(closed_jaxpr, tracers)
+        outputs, verdict = self._inline(closed_jaxpr, tracers, judge=True)
+        _materialise_at_call.setdefault(closed_jaxpr, {})[key] = verdict
+        return outputs
+
+    def _inline(self, closed_jaxpr, tracers, judge=False):
+        """Evaluate `closed_jaxpr`'s equations in this trace.
+
+        Leaner than `jax.core.eval_jaxpr`: equations go straight to
+        `process_primitive` (their inputs are already canonical JAX values), the
+        equation's context manager is entered only when it differs from the
+        current one, and the source traceback is the live one (the user's call
+        site, as JAX's own inlining of `jit(inline=True)` records), with the
+        equation's name stack appended."""
+        jaxpr = closed_jaxpr.jaxpr
+        env = dict(zip(jaxpr.constvars, closed_jaxpr.consts))
+        env.update(zip(jaxpr.invars, tracers))
+        here = jc.current_eqn_context()
+        literal = jc.Literal
+        # With `judge`, also work out whether every equation that reads a Value
+        # falls back to materialising it, and whether each Value is read.
+        only_materialised = judge
+        unread = {v for v, t in zip(jaxpr.invars, tracers) if self.owns(t)} if judge else set()
+        for eqn in jaxpr.eqns:
+            args = [v.val if type(v) is literal else env[v] for v in eqn.invars]
+            if only_materialised and any(self.owns(a) for a in args):
+                only_materialised = _is_plain_primitive(
+                    eqn.primitive
+                ) and falls_back_to_materialising(eqn.primitive, [self.unwrap(a) for a in args])
+                unread.difference_update(v for v in eqn.invars if type(v) is not literal)
+            params = eqn.primitive.get_bind_params(eqn.params)
+            if eqn.ctx is not here or eqn.source_info.name_stack:
+                out = self._bind_in_context(eqn, args, params, here)
+            else:
+                avals = [jax.typeof(a) for a in args]
+                out = eqn.primitive.bind_with_trace(self, args, avals, params)
+            if eqn.primitive.multiple_results:
+                env.update(zip(eqn.outvars, out))
+            else:
+                env[eqn.outvars[0]] = out
+        outputs = [v.val if type(v) is literal else env[v] for v in jaxpr.outvars]
+        if judge:
+            verdict = only_materialised and not unread and not any(map(self.owns, outputs))
+            return outputs, verdict
+        return outputs
+
+    def _bind_in_context(self, eqn, args, params, here):
+        """`_inline`'s path for an equation recorded under another context
+        (compute type, mesh, ...) or inside a name scope."""
+        with contextlib.ExitStack() as stack:
+            if eqn.ctx is not here:
+                stack.enter_context(eqn.ctx.manager)
+            if eqn.source_info.name_stack:
+                stack.enter_context(
+                    jc.set_name_stack(jc.current_name_stack() + eqn.source_info.name_stack)
+                )
+            stack.enter_context(jc.set_current_trace(self))
+            return eqn.primitive.bind(*args, **params)
 
     def _wrap_outputs(self, out, primitive, rule):
         if primitive.multiple_results:
@@ -257,6 +349,12 @@ class QuaxTrace(jc.Trace):
         if self.owns(val):
             return val
         return self.parent_trace.stage_value(val)
+
+
+def _is_plain_primitive(primitive) -> bool:
+    """Whether binding `primitive` is an ordinary `process_primitive` (not a call,
+    custom-derivative or mapped primitive with its own trace hook)."""
+    return type(primitive).bind_with_trace is jc.Primitive.bind_with_trace
 
 
 def _rule_name(rule) -> str:

@@ -4,6 +4,7 @@ from .._jax_compat import AbstractValue as AbstractValue, ShapedArray as ShapedA
 from .._values import materialise_value as materialise_value
 from ._helpers import output_aval as output_aval
 from ._labels import (
+    bind_dot_general as bind_dot_general,
     contract_labelled as contract_labelled,
     dot_general_labels as dot_general_labels,
 )

@@ -1,5 +1,6 @@
 """Einsum-style labels for `dot_general`, for rules that rearrange a product."""
 
+import jax
 from jax import lax
 
 
@@ -70,16 +71,44 @@ def contract_labelled(x, x_labels: list, y, y_labels: list, keep: set, params: d
         (tuple(x_labels.index(c) for c in contract), tuple(y_labels.index(c) for c in contract)),
         (tuple(x_labels.index(b) for b in batch), tuple(y_labels.index(b) for b in batch)),
     )
-    out = lax.dot_general(
-        x,
-        y,
-        dimension_numbers,
-        precision=params.get("precision"),
-        preferred_element_type=params.get("preferred_element_type"),
-    )
+    out = bind_dot_general(x, y, dimension_numbers, {**params, "out_sharding": None})
     labels = (
         batch
         + [label for label in x_labels if label not in shared]
         + [label for label in y_labels if label not in shared]
     )
     return out, labels
+
+
+def bind_dot_general(x, y, dimension_numbers, params: dict):
+    """`lax.dot_general(x, y, dimension_numbers)` with the `precision`,
+    `preferred_element_type` and `out_sharding` of `params`, the params of a
+    `dot_general` equation a rule received.
+
+    Binds `lax.dot_general_p` directly when `params` came from an equation (so
+    they are already in canonical form) and neither operand carries an explicit
+    sharding: the `lax.dot_general` wrapper's argument checking costs more at
+    trace time than the equation it emits. Otherwise calls the wrapper.
+    """
+    if "precision" in params and _unsharded(x) and _unsharded(y):
+        return lax.dot_general_p.bind(
+            x,
+            y,
+            dimension_numbers=dimension_numbers,
+            precision=params["precision"],
+            preferred_element_type=params.get("preferred_element_type"),
+            out_sharding=params.get("out_sharding"),
+        )
+    return lax.dot_general(
+        x,
+        y,
+        dimension_numbers,
+        precision=params.get("precision"),
+        preferred_element_type=params.get("preferred_element_type"),
+        out_sharding=params.get("out_sharding"),
+    )
+
+
+def _unsharded(x) -> bool:
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return sharding is None or sharding.mesh.empty

@@ -15,7 +15,7 @@ from jax import lax
 from jaxtyping import ArrayLike
 
 import quaxlike
-from quaxlike.internal import contract_labelled, dot_general_labels
+from quaxlike.internal import bind_dot_general, contract_labelled, dot_general_labels
 
 from ._value import LoraArray
 
@@ -52,21 +52,14 @@ def _lora_dot(lhs, rhs, w, a, b, lora_on_left, dimension_numbers, params):
     lhs_labels, rhs_labels, out_labels = dot_general_labels(
         dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs)
     )
-    base = lax.dot_general(
-        lhs,
-        rhs,
-        dimension_numbers,
-        precision=params.get("precision"),
-        preferred_element_type=params.get("preferred_element_type"),
-        out_sharding=params.get("out_sharding"),
-    )
+    base = bind_dot_general(lhs, rhs, dimension_numbers, params)
     if lora_on_left:
         low = _dot_low_rank(a, b, rhs, lhs_labels, rhs_labels, out_labels, True, params)
     else:
         low = _dot_low_rank(a, b, lhs, rhs_labels, lhs_labels, out_labels, False, params)
     if low.dtype != base.dtype:
         low = low.astype(base.dtype)
-    return base + low
+    return lax.add(base, low)
 
 
 @quaxlike.register(lax.dot_general_p)

@@ -1,0 +1,162 @@
+"""The interpreter's fast paths, with checked mode off (the rest of the suite runs
+with it on, which takes the observed path).
+
+- Sub-programs of `jit(inline=True)` functions (most of `jax.numpy`) are evaluated
+  in the trace itself.
+- When every operation on a Value inside such a sub-program would only
+  materialise it, later calls materialise the Values once, at the call, and hand
+  the call whole to the parent trace.
+
+Each test compares against plain JAX on the materialised arrays, and checks the
+path taken through what it changes: how many times a Value is materialised.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import randn
+
+import quaxlike
+
+
+def _counting_type():
+    """A fresh Value type (so rules registered for it stay local to one test)
+    that counts its materialisations and has no rules of its own."""
+
+    class Counted(quaxlike.ArrayValue):
+        array: jax.Array
+        count = [0]
+
+        def aval(self):
+            return quaxlike.internal.ShapedArray(self.array.shape, self.array.dtype)
+
+        def materialise(self):
+            type(self).count[0] += 1
+            return self.array
+
+    return Counted
+
+
+@jax.jit
+def _unused(x):
+    return x
+
+
+def _inline_jit(fn):
+    return jax.jit(fn, inline=True)
+
+
+def _trace(fn, *args):
+    return jax.make_jaxpr(quaxlike.quaxify(fn, check=False))(*args)
+
+
+def test_only_materialised_sub_program_goes_whole_to_the_parent():
+    counted = _counting_type()
+    body = _inline_jit(lambda a, b: jnp.sin(a) * jnp.cos(a) + b)
+    a, b = randn(0, (3,)), randn(1, (3,))
+    plain = jax.make_jaxpr(body)(a, b)
+    counts = []
+    for _ in range(3):
+        counted.count[0] = 0
+        jaxpr = _trace(body, counted(a), b)
+        counts.append(counted.count[0])
+        assert np.allclose(jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, a, b)[0], body(a, b))
+    # First call: inlined, `a` materialised at each of its two uses. Then once,
+    # at the call, and the traced program is JAX's own.
+    assert counts == [2, 1, 1]
+    assert [e.primitive for e in jaxpr.eqns] == [e.primitive for e in plain.eqns]
+
+
+def test_the_eager_result_is_plain_jax_s():
+    counted = _counting_type()
+    body = _inline_jit(lambda a: jnp.exp(a) - a)
+    a = randn(2, (4,))
+    for _ in range(2):
+        out = jax.jit(quaxlike.quaxify(body, check=False))(counted(a))
+        assert np.allclose(out, body(a))
+
+
+def test_a_value_returned_unchanged_stays_a_value():
+    counted = _counting_type()
+    body = _inline_jit(lambda a, b: (a, jnp.sin(a) + b))
+    a, b = randn(3, (2,)), randn(4, (2,))
+    for _ in range(3):
+        passed, total = jax.jit(quaxlike.quaxify(body, check=False))(counted(a), b)
+        assert isinstance(passed, counted)
+        assert np.allclose(total, jnp.sin(a) + b)
+
+
+def test_an_unread_value_is_never_materialised():
+    class Refusing(quaxlike.ArrayValue):
+        def aval(self):
+            return quaxlike.internal.ShapedArray((2,), jnp.float32)
+
+        def materialise(self):
+            raise RuntimeError("Refusing never materialises")
+
+    counted = _counting_type()
+    body = _inline_jit(lambda r, a: jnp.sin(a))
+    a = randn(5, (2,))
+    for _ in range(3):
+        jaxpr = _trace(body, Refusing(), counted(a))
+        assert np.allclose(jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, a)[0], jnp.sin(a))
+
+
+def test_a_rule_registered_later_is_used():
+    counted = _counting_type()
+    body = _inline_jit(lambda a: jnp.sin(a) + 1.0)
+    a = randn(6, (3,))
+    for _ in range(2):
+        _trace(body, counted(a))
+
+    @quaxlike.register(jax.lax.sin_p)
+    def _(x: counted, **params):
+        return jnp.cos(x.array)
+
+    counted.count[0] = 0
+    jaxpr = _trace(body, counted(a))
+    assert counted.count[0] == 0
+    assert np.allclose(jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, a)[0], jnp.cos(a) + 1.0)
+
+
+def test_a_sub_program_with_a_rule_inside_is_inlined():
+    from helpers import PassThrough
+
+    counted = _counting_type()
+    body = _inline_jit(lambda a, p: jnp.sin(a) + p)
+    a, p = randn(7, (3,)), randn(8, (3,))
+    for _ in range(3):
+        out = quaxlike.quaxify(body, check=False)(counted(a), PassThrough(p))
+        assert isinstance(out, PassThrough)
+        assert np.allclose(out.array, jnp.sin(a) + p)
+
+
+def test_warnings_still_name_the_inner_primitive():
+    counted = _counting_type()
+    body = _inline_jit(lambda a: jnp.tanh(a))
+    a = randn(9, (3,))
+    for _ in range(2):
+        _trace(body, counted(a))
+    with quaxlike.materialise_policy("warn"):
+        with pytest.warns(UserWarning, match="tanh"):
+            _trace(body, counted(a))
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jit"])
+def test_under_transforms(transform):
+    counted = _counting_type()
+    body = _inline_jit(lambda a: jnp.sum(jnp.sin(a) ** 2))
+    a = randn(10, (4,))
+
+    def run():
+        f = quaxlike.quaxify(lambda v: body(v), check=False)
+        if transform == "grad":
+            return jax.grad(lambda x: f(counted(x)))(a), jax.grad(body)(a)
+        if transform == "vmap":
+            return jax.vmap(lambda x: f(counted(x)))(a[:, None]), jax.vmap(body)(a[:, None])
+        return jax.jit(lambda x: f(counted(x)))(a), body(a)
+
+    for _ in range(3):
+        got, want = run()
+        assert np.allclose(got, want, rtol=1e-5)
