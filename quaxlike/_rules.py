@@ -329,8 +329,8 @@ def _resolve(primitive: jc.Primitive, values: tuple) -> _Resolution:
     return _Resolution(chain, default)
 
 
-def _resolution(primitive: jc.Primitive, values: tuple) -> _Resolution:
-    key = (primitive, *map(dispatch_kind, values))
+def _resolution(primitive: jc.Primitive, values: tuple, kinds: tuple | None = None) -> _Resolution:
+    key = (primitive, *(map(dispatch_kind, values) if kinds is None else kinds))
     try:
         return _resolution_cache[key]
     except KeyError:
@@ -338,10 +338,13 @@ def _resolution(primitive: jc.Primitive, values: tuple) -> _Resolution:
         return resolution
 
 
-def chosen_rule(primitive: jc.Primitive, values: Sequence[Any]) -> Callable | None:
-    """The implementation of the rule `dispatch` would try first for `values`,
-    or `None` (no rule, or an ambiguity that `dispatch` will report)."""
-    chain = _resolution(primitive, tuple(values)).chain
+def chosen_rule(
+    primitive: jc.Primitive, values: Sequence[Any], kinds: tuple | None = None
+) -> Callable | None:
+    """The implementation of the rule `dispatch` would try first for `values`
+    (whose `dispatch_kind`s are `kinds`, when known), or `None` (no rule, or an
+    ambiguity that `dispatch` will report)."""
+    chain = _resolution(primitive, tuple(values), kinds).chain
     if not chain or isinstance(chain[0], Exception):
         return None
     return chain[0][0].implementation

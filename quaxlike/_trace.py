@@ -137,14 +137,15 @@ class QuaxTrace(jc.Trace):
     def process_primitive(self, primitive, tracers, params):
         if self.adopts:
             tracers = self._adopt(tracers)
-        if not any(type(t) is QuaxTracer and t._trace is self for t in tracers):
+        values = [t.value if type(t) is QuaxTracer and t._trace is self else t for t in tracers]
+        if all(v is t for v, t in zip(values, tracers)):
             # No Value involved: hand the operation straight to the parent trace.
             return primitive.bind_with_trace(
                 self.parent_trace, tracers, [jax.typeof(t) for t in tracers], params
             )
-        values = [self.unwrap(t) for t in tracers]
         if primitive in _inlinable_primitives and not self.eager:
-            rule = chosen_rule(primitive, values)
+            kinds = tuple(map(dispatch_kind, values))
+            rule = chosen_rule(primitive, values, kinds)
             jaxpr_of = _inlining_rules.get(rule)
             jaxpr = jaxpr_of(params) if jaxpr_of is not None else None
             if jaxpr is not None:
@@ -152,19 +153,19 @@ class QuaxTrace(jc.Trace):
                     return self._process_observed(
                         primitive, tracers, values, params, inline=(jaxpr, rule)
                     )
-                return self._call_sub_program(primitive, jaxpr, tracers, values, params)
+                return self._call_sub_program(primitive, jaxpr, tracers, values, kinds, params)
         if self.instrumented:
             return self._process_observed(primitive, tracers, values, params)
         with jc.set_current_trace(self.parent_trace):
             out, rule = dispatch(primitive, values, params)
         return self._wrap_outputs(out, primitive, rule)
 
-    def _call_sub_program(self, primitive, closed_jaxpr, tracers, values, params):
+    def _call_sub_program(self, primitive, closed_jaxpr, tracers, values, kinds, params):
         """Apply a call-like `primitive` (whose built-in rule would inline
         `closed_jaxpr`): inline it, or, when every operation on a Value in it
         would only materialise that Value, materialise at the call and hand the
         call to the parent trace (see `_materialise_at_call`)."""
-        key = (type(self.parent_trace), rules_generation(), *map(dispatch_kind, values))
+        key = (type(self.parent_trace), rules_generation(), kinds)
         verdicts = _materialise_at_call.get(closed_jaxpr)
         verdict = None if verdicts is None else verdicts.get(key)
         if verdict and _policy.current_mode() == "allow":

@@ -306,8 +306,11 @@ def materialise_value(value: Value, primitive: jc.Primitive | None = None) -> An
                 messages.MATERIALISE_LOOP.format(type_name=type(value).__qualname__)
             )
         out = out.materialise()
-    out_shape = np.shape(out)
-    out_dtype = jax.dtypes.result_type(out) if not isinstance(out, jax.Array) else out.dtype
+    out_aval = getattr(out, "aval", None)  # jax.Array and tracers (cheaper than np.shape)
+    if isinstance(out_aval, jc.ShapedArray):
+        out_shape, out_dtype = out_aval.shape, out_aval.dtype
+    else:
+        out_shape, out_dtype = np.shape(out), jax.dtypes.result_type(out)
     expected_shape = getattr(aval, "shape", out_shape)
     expected_dtype = getattr(aval, "dtype", out_dtype)
     if tuple(out_shape) != tuple(expected_shape) or (
