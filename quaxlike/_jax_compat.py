@@ -49,10 +49,24 @@ current_name_stack = _source_info_util.current_name_stack
 set_name_stack = _source_info_util.set_name_stack
 
 
+def _eqn_contexts_interned() -> bool:
+    # Since jax 0.10.1 (or so), `JaxprEqnContext()` builds the current context and
+    # equal contexts are one object; before, it needed its fields as arguments.
+    try:
+        return _core.JaxprEqnContext() is _core.JaxprEqnContext()
+    except TypeError:
+        return False
+
+
+_EQN_CONTEXTS_INTERNED = _eqn_contexts_interned()
+
+
 def current_eqn_context():
     """The context (compute type, abstract mesh, XLA metadata, ...) that an
-    equation bound now would record. Interned: compare with `is`."""
-    return _core.JaxprEqnContext()
+    equation bound now would record, to compare with `is` against an equation's
+    `ctx`; `None` where JAX does not intern contexts (then every equation's
+    context is entered)."""
+    return _core.JaxprEqnContext() if _EQN_CONTEXTS_INTERNED else None
 
 
 wrap_init = _lu.wrap_init

@@ -160,3 +160,22 @@ def test_under_transforms(transform):
     for _ in range(3):
         got, want = run()
         assert np.allclose(got, want, rtol=1e-5)
+
+
+def test_inlining_keeps_name_scopes():
+    from helpers import PassThrough
+
+    def scoped(a):
+        with jax.named_scope("outer"):
+            b = jnp.sin(a)
+            with jax.named_scope("inner"):
+                return b * 2.0
+
+    body = _inline_jit(scoped)
+    a = randn(11, (3,))
+    plain = jax.make_jaxpr(body)(a)
+    for _ in range(2):
+        jaxpr = _trace(body, PassThrough(a))
+        assert [str(e.source_info.name_stack) for e in jaxpr.eqns] == [
+            str(e.source_info.name_stack) for e in plain.eqns
+        ]
