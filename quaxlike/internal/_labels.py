@@ -89,6 +89,42 @@ def bind_dot_general(x, y, dimension_numbers, params: dict):
     they are already in canonical form) and neither operand carries an explicit
     sharding: the `lax.dot_general` wrapper's argument checking costs more at
     trace time than the equation it emits. Otherwise calls the wrapper.
+
+    **Arguments:**
+
+    - `x`, `y`: the operands (arrays, tracers, or Values lifted by the current
+        `quaxify`).
+    - `dimension_numbers`: `((x_contract, y_contract), (x_batch, y_batch))`, as
+        tuples of ints.
+    - `params`: the other params of a `dot_general` equation (`precision`,
+        `preferred_element_type`, `out_sharding`); `{}` means the defaults.
+
+    **Returns:**
+
+    The product, as `lax.dot_general` would return it.
+
+    !!! example
+
+        ```python
+        class Doubled(quaxlike.ArrayValue):  # stands for 2 * array
+            array: jax.Array
+
+            def aval(self):
+                return quaxlike.internal.ShapedArray(self.array.shape, self.array.dtype)
+
+            def materialise(self):
+                return 2 * self.array
+
+        @quaxlike.register(jax.lax.dot_general_p)
+        def _(x: Doubled, y: jax.Array, *, dimension_numbers, **params):
+            # (2 A) y as 2 (A y), with the equation's own params
+            product = quaxlike.internal.bind_dot_general(x.array, y, dimension_numbers, params)
+            return 2 * product
+
+        w, v = jnp.ones((3, 2)), jnp.ones(2)
+        out = quaxlike.quaxify(lambda w, v: w @ v)(Doubled(w), v)
+        assert jnp.allclose(out, 2 * (w @ v))
+        ```
     """
     if "precision" in params and _unsharded(x) and _unsharded(y):
         return lax.dot_general_p.bind(
