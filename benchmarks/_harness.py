@@ -150,6 +150,16 @@ class Paired:
     def paired_ratios(self) -> list[float]:
         return [q / p for p, q in zip(self.plain, self.quax)]
 
+    def cells(self, per: float = 1.0) -> list[str]:
+        """The table cells every script reports: the two medians (divided by
+        `per`, for a sample that timed `per` calls), their ratio, the spread."""
+        return [
+            fmt_time(self.plain_median / per),
+            fmt_time(self.quax_median / per),
+            f"{self.ratio:.2f}",
+            self.spread(),
+        ]
+
     def spread(self) -> str:
         """The 25th-75th percentiles of the per-repeat ratios."""
         ratios = sorted(self.paired_ratios)
@@ -400,8 +410,9 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def verdict(ratio: float, target: float) -> str:
-    return "ok" if ratio <= target else "over"
+def at_most(ratio: float, target: float, digits: int = 2) -> str:
+    """The target cell: `≤ target (ok)` or `≤ target (over)`."""
+    return f"≤ {target:.{digits}f} ({'ok' if ratio <= target else 'over'})"
 
 
 class Table:

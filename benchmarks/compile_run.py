@@ -78,10 +78,7 @@ def main(argv=None):
     def add(name, paired, per=1):
         table.add(
             name,
-            h.fmt_time(paired.plain_median / per),
-            h.fmt_time(paired.quax_median / per),
-            f"{paired.ratio:.2f}",
-            paired.spread(),
+            *paired.cells(per),
             f"{TARGET:.2f} within noise",
         )
 

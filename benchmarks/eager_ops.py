@@ -83,11 +83,8 @@ def main(argv=None):
         )
         table.add(
             name,
-            h.fmt_time(paired.plain_median / calls),
-            h.fmt_time(paired.quax_median / calls),
-            f"{paired.ratio:.2f}",
-            paired.spread(),
-            f"≤ {TARGET:.0f} ({h.verdict(paired.ratio, TARGET)})",
+            *paired.cells(calls),
+            h.at_most(paired.ratio, TARGET, digits=0),
         )
     table.print()
 

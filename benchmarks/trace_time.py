@@ -112,11 +112,8 @@ def main(argv=None):
             table.add(
                 name,
                 depth,
-                h.fmt_time(paired.plain_median),
-                h.fmt_time(paired.quax_median),
-                f"{paired.ratio:.2f}",
-                paired.spread(),
-                f"≤ {TARGET:.2f} ({h.verdict(paired.ratio, TARGET)})",
+                *paired.cells(),
+                h.at_most(paired.ratio, TARGET),
                 eqns_plain,
                 f"{eqns_quax} ({'ok' if eqns_quax <= eqns_plain else 'over'})",
             )

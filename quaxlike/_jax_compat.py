@@ -50,8 +50,8 @@ set_name_stack = _source_info_util.set_name_stack
 
 
 def _eqn_contexts_interned() -> bool:
-    # Since jax 0.10.1 (or so), `JaxprEqnContext()` builds the current context and
-    # equal contexts are one object; before, it needed its fields as arguments.
+    # In jax 0.10.2 `JaxprEqnContext()` builds the current context and equal
+    # contexts are one object; in 0.10.0 it needs its fields as arguments.
     try:
         return _core.JaxprEqnContext() is _core.JaxprEqnContext()
     except TypeError:

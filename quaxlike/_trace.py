@@ -24,7 +24,7 @@ from ._rules import (
     falls_back_to_materialising,
     rules_generation,
 )
-from ._values import checked_aval, materialise_value, Value
+from ._values import checked_aval, Value
 
 
 # Rules that only say "run this sub-program here" (`jit(inline=True)`, which most
@@ -137,7 +137,7 @@ class QuaxTrace(jc.Trace):
     def process_primitive(self, primitive, tracers, params):
         if self.adopts:
             tracers = self._adopt(tracers)
-        values = [t.value if type(t) is QuaxTracer and t._trace is self else t for t in tracers]
+        values = [self.unwrap(t) for t in tracers]
         if all(v is t for v, t in zip(values, tracers)):
             # No Value involved: hand the operation straight to the parent trace.
             return primitive.bind_with_trace(
@@ -169,12 +169,9 @@ class QuaxTrace(jc.Trace):
         verdicts = _materialise_at_call.get(closed_jaxpr)
         verdict = None if verdicts is None else verdicts.get(key)
         if verdict and _policy.current_mode() == "allow":
+            # Exactly the default rule, applied to the call as a whole.
             with jc.set_current_trace(self.parent_trace):
-                arrays = [
-                    materialise_value(v, primitive) if isinstance(v, Value) else v for v in values
-                ]
-            avals = [jax.typeof(a) for a in arrays]
-            return primitive.bind_with_trace(self.parent_trace, arrays, avals, params)
+                return Value.default(primitive, values, params)
         if verdict is not None:
             return self._inline(closed_jaxpr, tracers)
         outputs, verdict = self._inline(closed_jaxpr, tracers, judge=True)
