@@ -24,7 +24,7 @@ from ._rules import (
     falls_back_to_materialising,
     rules_generation,
 )
-from ._values import checked_aval, Value
+from ._values import checked_aval, materialise_unreported, Value
 
 
 # Rules that only say "run this sub-program here" (`jit(inline=True)`, which most
@@ -48,6 +48,26 @@ _inlinable_primitives: set = set()
 _materialise_at_call: "weakref.WeakKeyDictionary[Any, dict[tuple, bool]]" = (
     weakref.WeakKeyDictionary()
 )
+
+
+# (primitive, argument kinds) -> (the rule dispatch would choose, its entry in
+# `_inlining_rules` or None), for the rules generation in the first slot.
+_inlining_choice: dict[Any, Any] = {"generation": None}
+
+
+def _inlining_rule(primitive, values, kinds):
+    """The rule dispatch would choose for `values` of `primitive` (an inlinable
+    one), and how to get the sub-program to inline from its params (or None)."""
+    if _inlining_choice["generation"] != rules_generation():
+        _inlining_choice.clear()
+        _inlining_choice["generation"] = rules_generation()
+    key = (primitive, kinds)
+    try:
+        return _inlining_choice[key]
+    except KeyError:
+        rule = chosen_rule(primitive, values, kinds)
+        choice = _inlining_choice[key] = (rule, _inlining_rules.get(rule))
+        return choice
 
 
 def inlines(primitive, jaxpr_of):
@@ -97,6 +117,9 @@ class QuaxTrace(jc.Trace):
         # Directly under eager execution, sub-programs are better run compiled
         # than inlined op by op (see `inlines`).
         self.eager = jc.is_eager(parent_trace)
+        # (id of a sub-program, argument kinds, rules generation) -> (the
+        # sub-program, its `_materialise_at_call` verdict).
+        self._verdicts: dict[tuple, tuple] = {}
 
     def _adopt(self, tracers):
         return [
@@ -137,16 +160,18 @@ class QuaxTrace(jc.Trace):
     def process_primitive(self, primitive, tracers, params):
         if self.adopts:
             tracers = self._adopt(tracers)
-        values = [self.unwrap(t) for t in tracers]
-        if all(v is t for v, t in zip(values, tracers)):
+        for t in tracers:
+            if type(t) is QuaxTracer and t._trace is self:
+                break
+        else:
             # No Value involved: hand the operation straight to the parent trace.
             return primitive.bind_with_trace(
                 self.parent_trace, tracers, [jax.typeof(t) for t in tracers], params
             )
+        values = [t.value if type(t) is QuaxTracer and t._trace is self else t for t in tracers]
         if primitive in _inlinable_primitives and not self.eager:
             kinds = tuple(map(dispatch_kind, values))
-            rule = chosen_rule(primitive, values, kinds)
-            jaxpr_of = _inlining_rules.get(rule)
+            rule, jaxpr_of = _inlining_rule(primitive, values, kinds)
             jaxpr = jaxpr_of(params) if jaxpr_of is not None else None
             if jaxpr is not None:
                 if self.instrumented:
@@ -165,18 +190,45 @@ class QuaxTrace(jc.Trace):
         `closed_jaxpr`): inline it, or, when every operation on a Value in it
         would only materialise that Value, materialise at the call and hand the
         call to the parent trace (see `_materialise_at_call`)."""
-        key = (type(self.parent_trace), rules_generation(), kinds)
-        verdicts = _materialise_at_call.get(closed_jaxpr)
-        verdict = None if verdicts is None else verdicts.get(key)
+        # Verdicts already looked up by this trace: one dict hit per call (the
+        # trace is short-lived, so holding the jaxpr here keeps nothing alive).
+        local_key = (id(closed_jaxpr), kinds, rules_generation())
+        known = self._verdicts.get(local_key)
+        if known is None:
+            key = (type(self.parent_trace), local_key[2], kinds)
+            verdicts = _materialise_at_call.get(closed_jaxpr)
+            verdict = None if verdicts is None else verdicts.get(key)
+            if verdict is None:
+                outputs, verdict = self._inline(closed_jaxpr, tracers, judge=True)
+                _materialise_at_call.setdefault(closed_jaxpr, {})[key] = verdict
+                self._verdicts[local_key] = (closed_jaxpr, verdict)
+                return outputs
+            self._verdicts[local_key] = (closed_jaxpr, verdict)
+        else:
+            verdict = known[1]
         if verdict and _policy.current_mode() == "allow":
-            # Exactly the default rule, applied to the call as a whole.
-            with jc.set_current_trace(self.parent_trace):
-                return Value.default(primitive, values, params)
-        if verdict is not None:
-            return self._inline(closed_jaxpr, tracers)
-        outputs, verdict = self._inline(closed_jaxpr, tracers, judge=True)
-        _materialise_at_call.setdefault(closed_jaxpr, {})[key] = verdict
-        return outputs
+            # Exactly the default rule (`Value.default`), applied to the call
+            # as a whole; the Values' avals are the tracers' own.
+            return self._materialise_and_bind(primitive, tracers, values, params)
+        return self._inline(closed_jaxpr, tracers)
+
+    def _materialise_and_bind(self, primitive, tracers, values, params):
+        """`Value.default(primitive, values, params)` under the parent trace, for
+        the uninstrumented "allow" policy (nothing to record or warn about):
+        each Value is materialised and checked against its tracer's aval, and
+        when the results are the parent's own canonical tracers the primitive
+        is bound on the parent trace directly."""
+        parent = self.parent_trace
+        arrays = list(values)
+        direct = True
+        for i, (t, v) in enumerate(zip(tracers, values)):
+            if t is not v:
+                array = arrays[i] = materialise_unreported(primitive, values, i, t.aval)
+                direct = direct and _is_plain_tracer_of(array, parent)
+        if direct:
+            return primitive.bind_with_trace(parent, arrays, [t.aval for t in tracers], params)
+        with jc.set_current_trace(parent):
+            return primitive.bind(*arrays, **params)
 
     def _inline(self, closed_jaxpr, tracers, judge=False):
         """Evaluate `closed_jaxpr`'s equations in this trace.
@@ -353,6 +405,17 @@ def _is_plain_primitive(primitive) -> bool:
     """Whether binding `primitive` is an ordinary `process_primitive` (not a call,
     custom-derivative or mapped primitive with its own trace hook)."""
     return type(primitive).bind_with_trace is jc.Primitive.bind_with_trace
+
+
+def _is_plain_tracer_of(x, trace) -> bool:
+    """Whether `x` is a live tracer of `trace` with no mesh in its type: what
+    `Primitive.bind` would pass on unchanged (already canonical, nothing to
+    reshard)."""
+    return (
+        isinstance(x, jc.Tracer)
+        and x._trace is trace
+        and (getattr(x.aval, "sharding", None) is None or x.aval.sharding.mesh.empty)
+    )
 
 
 def _rule_name(rule) -> str:

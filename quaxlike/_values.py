@@ -309,10 +309,14 @@ def materialise_value(value: Value, primitive: jc.Primitive | None = None) -> An
         assert jnp.array_equal(dense, jnp.zeros(2))
         ```
     """
-    aval = checked_aval(value)
+    return _materialise_as(value, checked_aval(value), primitive)
+
+
+def _materialise_as(value: Value, aval: jc.AbstractValue, primitive) -> Any:
+    """`materialise_value` for a Value whose `aval()` is already known."""
     out = value.materialise()
     depth = 0
-    while isinstance(out, Value):
+    while is_value(out):
         depth += 1
         if depth > 100:
             raise QuaxlikeError(
@@ -353,12 +357,27 @@ def fallback_materialise(value: Value, primitive: jc.Primitive) -> Any:
 
 
 def materialise_for(primitive: jc.Primitive, values: Sequence[Any], position: int) -> Any:
-    """Materialise `values[position]` because `primitive` has no rule for `values`;
-    if the type refuses, say which primitive needed it and how to add a rule."""
+    """Materialise `values[position]` because `primitive` has no rule for `values`,
+    under the current `materialise_policy`; if the type refuses, say which
+    primitive needed it and how to add a rule."""
+    _policy.on_fallback(values[position], primitive)
+    return materialise_unreported(primitive, values, position)
+
+
+def materialise_unreported(
+    primitive: jc.Primitive,
+    values: Sequence[Any],
+    position: int,
+    aval: jc.AbstractValue | None = None,
+) -> Any:
+    """`materialise_for` without applying the policy, for callers that know it
+    allows the fallback and nothing records it. `aval`, when given, is the
+    Value's `aval()`, already checked."""
     value = values[position]
-    _policy.on_fallback(value, primitive)
     try:
-        return materialise_value(value, primitive)
+        if aval is None:
+            return materialise_value(value, primitive)
+        return _materialise_as(value, aval, primitive)
     except QuaxlikeError:
         raise
     except Exception as error:

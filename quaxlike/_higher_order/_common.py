@@ -8,6 +8,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import ArrayLike
 
+from .._staging import join_arrays, split_arrays
 from .._values import fallback_materialise, Value
 
 
@@ -16,26 +17,6 @@ AnyValue = ArrayLike | Value
 
 def to_dense(x: Any, primitive) -> Any:
     return fallback_materialise(x, primitive) if isinstance(x, Value) else x
-
-
-def split_arrays(tree) -> tuple[list, tuple, Any, tuple]:
-    """The array leaves of `tree`, their positions among all its leaves, its
-    structure, and its other leaves (`None` where an array was): what crosses a
-    JAX transformation, and what is closed over. `join_arrays` undoes it."""
-    leaves, treedef = jtu.tree_flatten(tree)
-    positions = tuple(i for i, leaf in enumerate(leaves) if eqx.is_array(leaf))
-    arrays = [leaves[i] for i in positions]
-    for i in positions:
-        leaves[i] = None
-    return arrays, positions, treedef, tuple(leaves)
-
-
-def join_arrays(arrays, positions, treedef, others):
-    """The tree `split_arrays` took apart, with `arrays` as its array leaves."""
-    leaves = list(others)
-    for i, array in zip(positions, arrays):
-        leaves[i] = array
-    return jtu.tree_unflatten(treedef, leaves)
 
 
 def through_array_leaves(transform: Callable, fn: Callable, args: Sequence[Any]):

@@ -5,12 +5,13 @@ import weakref
 
 import jax
 
-from .. import _instrument, _jax_compat as jc, _policy
+from .. import _jax_compat as jc, _policy
 from .._quaxify import lifted_call
-from .._rules import register, rules_generation
+from .._rules import register
+from .._staging import split_arrays, StagedCall, staging_key
 from .._trace import inlines
 from .._values import Value
-from ._common import AnyValue, join_arrays, split_arrays, through_array_leaves
+from ._common import AnyValue, through_array_leaves
 
 
 # One `jax.jit`-wrapped body per (jaxpr, name, structure and non-array leaves of
@@ -21,30 +22,7 @@ from ._common import AnyValue, join_arrays, split_arrays, through_array_leaves
 _bodies: "weakref.WeakKeyDictionary[jc.ClosedJaxpr, dict]" = weakref.WeakKeyDictionary()
 
 
-class _CachedBody:
-    def __init__(self, jaxpr, name: str, positions, treedef, others):
-        # Set when `run` is traced; the key includes the input avals, so it is
-        # traced once and the output's structure never changes.
-        self.out_structure: list = []
-        # A weak reference: the cache entry must not keep its own key alive. `run`
-        # is only traced while the jaxpr is in use.
-        jaxpr_ref = weakref.ref(jaxpr)
-
-        def run(*arrays):
-            args = join_arrays(arrays, positions, treedef, others)
-            out = lifted_call(jc.jaxpr_as_fun(jaxpr_ref()), *args)
-            out_arrays, *self.out_structure = split_arrays(out)
-            return out_arrays
-
-        run.__name__ = run.__qualname__ = name
-        self.jitted = jax.jit(run)
-
-    def __call__(self, arrays):
-        out_arrays = self.jitted(*arrays)
-        return join_arrays(out_arrays, *self.out_structure)
-
-
-def _cached_body(jaxpr, name: str, args) -> "tuple[_CachedBody, list] | None":
+def _cached_body(jaxpr, name: str, args) -> "tuple[StagedCall, list] | None":
     # A compiled body runs the rules as they were when it was traced, so its key
     # names the rules (their generation) and checked mode; and under a "warn" or
     # "error" materialise policy every call is traced, so that every fallback
@@ -54,15 +32,7 @@ def _cached_body(jaxpr, name: str, args) -> "tuple[_CachedBody, list] | None":
     ):
         return None
     arrays, positions, treedef, others = split_arrays(list(args))
-    key = (
-        name,
-        treedef,
-        positions,
-        others,
-        tuple(jax.typeof(a) for a in arrays),
-        rules_generation(),
-        _instrument.checking.get(),
-    )
+    key = (name, *staging_key(arrays, positions, treedef, others))
     try:
         hash(key)
     except TypeError:  # unhashable non-array leaves: no caching
@@ -70,8 +40,19 @@ def _cached_body(jaxpr, name: str, args) -> "tuple[_CachedBody, list] | None":
     per_jaxpr = _bodies.setdefault(jaxpr, {})
     cached = per_jaxpr.get(key)
     if cached is None:
-        cached = per_jaxpr[key] = _CachedBody(jaxpr, name, positions, treedef, others)
+        cached = per_jaxpr[key] = StagedCall(
+            _body_of(weakref.ref(jaxpr)), name, positions, treedef, others
+        )
     return cached, arrays
+
+
+def _body_of(jaxpr_ref):
+    # A weak reference: the cache entry must not keep its own key alive. The
+    # body is only traced while the jaxpr is in use.
+    def body(*args):
+        return lifted_call(jc.jaxpr_as_fun(jaxpr_ref()), *args)
+
+    return body
 
 
 @register(jc.jit_p)

@@ -1,6 +1,7 @@
 """Helpers for authors of Value types. No stability promise: see README.md."""
 
 from .._jax_compat import AbstractValue as AbstractValue, ShapedArray as ShapedArray
+from .._staging import cached_rule as cached_rule
 from .._values import materialise_value as materialise_value
 from ._helpers import output_aval as output_aval
 from ._labels import (

@@ -15,7 +15,12 @@ from jax import lax
 from jaxtyping import ArrayLike
 
 import quaxlike
-from quaxlike.internal import bind_dot_general, contract_labelled, dot_general_labels
+from quaxlike.internal import (
+    bind_dot_general,
+    cached_rule,
+    contract_labelled,
+    dot_general_labels,
+)
 
 from ._value import LoraArray
 
@@ -63,6 +68,7 @@ def _lora_dot(lhs, rhs, w, a, b, lora_on_left, dimension_numbers, params):
 
 
 @quaxlike.register(lax.dot_general_p)
+@cached_rule
 def dot_general_p_lora_any(
     x: LoraArray, y: ArrayLike | quaxlike.ArrayValue, *, dimension_numbers, **params
 ):
@@ -77,6 +83,7 @@ def dot_general_p_lora_any(
 
 
 @quaxlike.register(lax.dot_general_p)
+@cached_rule
 def dot_general_p_any_lora(
     x: ArrayLike | quaxlike.ArrayValue, y: LoraArray, *, dimension_numbers, **params
 ):
