@@ -99,10 +99,13 @@ def _value_subclasses():
     return seen
 
 
-def _call_in_trace(trace: QuaxTrace, leaves, treedef, static):
+def _call_in_trace(trace: QuaxTrace, leaves, treedef, static, selected):
     # Runs in its own frame so that no local variable outlives the trace: JAX's
     # leak checker counts any live reference to one of its tracers.
-    lifted = [trace.lift(x) if is_value(x) else x for x in leaves]
+    if selected is None:
+        lifted = [trace.lift(x) if is_value(x) else x for x in leaves]
+    else:
+        lifted = [trace.lift(x) if chosen else x for x, chosen in zip(leaves, selected)]
     dynamic = jtu.tree_unflatten(treedef, lifted)
     fn, args, kwargs = dynamic if static is None else eqx.combine(dynamic, static, is_leaf=is_value)
     out = fn(*args, **kwargs)
@@ -121,10 +124,12 @@ _unchecked_traces: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 )
 
 
-def call_lifted(leaves, treedef, static, adopts: tuple[QuaxTrace, ...] = ()):
+def call_lifted(
+    leaves, treedef, static, adopts: tuple[QuaxTrace, ...] = (), selected: list | None = None
+):
     """Run `(fn, args, kwargs)`, given as flattened `leaves`, in a new `QuaxTrace`
-    that lifts the Values among them (and takes over the tracers of the traces in
-    `adopts`: see `QuaxTrace`)."""
+    that lifts the Values among them, or those marked in `selected` (and takes
+    over the tracers of the traces in `adopts`: see `QuaxTrace`)."""
     checking = jc.check_leaks_enabled()
     unchecked = _unchecked_traces.get()
     outermost = checking and unchecked is None
@@ -137,7 +142,7 @@ def call_lifted(leaves, treedef, static, adopts: tuple[QuaxTrace, ...] = ()):
             trace = QuaxTrace(parent, adopts)
             try:
                 with jc.set_current_trace(trace):
-                    out = _call_in_trace(trace, leaves, treedef, static)
+                    out = _call_in_trace(trace, leaves, treedef, static, selected)
             finally:
                 trace.invalidate()
     finally:
@@ -152,18 +157,35 @@ def call_lifted(leaves, treedef, static, adopts: tuple[QuaxTrace, ...] = ()):
 
 
 def _call(fn, filter_spec, args, kwargs):
-    dynamic, static = _partition(fn, args, kwargs, filter_spec)
-    leaves, treedef = jtu.tree_flatten(dynamic, is_leaf=is_value)
+    selected = None
+    if filter_spec is not True and callable(filter_spec) and _is_single_leaf(filter_spec):
+        # One predicate for every leaf: what `eqx.partition` and `eqx.combine`
+        # would do with it, in one pass over the leaves instead of four (only
+        # Values are asked: nothing else is lifted).
+        leaves, treedef = jtu.tree_flatten((fn, args, kwargs), is_leaf=is_value)
+        selected = [is_value(x) and bool(filter_spec(x)) for x in leaves]
+        static = None
+        lifting = any(selected)
+    else:
+        dynamic, static = _partition(fn, args, kwargs, filter_spec)
+        leaves, treedef = jtu.tree_flatten(dynamic, is_leaf=is_value)
+        lifting = any(map(is_value, leaves))
     try:
-        if not any(map(is_value, leaves)):
+        if not lifting:
             # Nothing to lift: exactly the function itself, at no cost.
             return fn(*args, **kwargs)
-        return call_lifted(leaves, treedef, static)
+        return call_lifted(leaves, treedef, static, selected=selected)
     except TypeError as error:
         better = _unlifted_value_error(error) or _concrete_value_error(error)
         if better is None:
             raise
         raise better from error
+
+
+def _is_single_leaf(x) -> bool:
+    # A callable that is also a PyTree with leaves of its own (a `jtu.Partial`)
+    # is a prefix of filters to `eqx.partition`, not one filter.
+    return jtu.treedef_is_leaf(jtu.tree_structure(x))
 
 
 def lifted_call(fn: Callable[..., _Return], *args: Any) -> _Return:

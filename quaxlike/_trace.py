@@ -226,7 +226,8 @@ class QuaxTrace(jc.Trace):
                 array = arrays[i] = materialise_unreported(primitive, values, i, t.aval)
                 direct = direct and _is_plain_tracer_of(array, parent)
         if direct:
-            return primitive.bind_with_trace(parent, arrays, [t.aval for t in tracers], params)
+            avals = [t.aval if t is not v else jax.typeof(t) for t, v in zip(tracers, values)]
+            return primitive.bind_with_trace(parent, arrays, avals, params)
         with jc.set_current_trace(parent):
             return primitive.bind(*arrays, **params)
 
@@ -411,11 +412,10 @@ def _is_plain_tracer_of(x, trace) -> bool:
     """Whether `x` is a live tracer of `trace` with no mesh in its type: what
     `Primitive.bind` would pass on unchanged (already canonical, nothing to
     reshard)."""
-    return (
-        isinstance(x, jc.Tracer)
-        and x._trace is trace
-        and (getattr(x.aval, "sharding", None) is None or x.aval.sharding.mesh.empty)
-    )
+    if not isinstance(x, jc.Tracer) or x._trace is not trace:
+        return False
+    sharding = getattr(x.aval, "sharding", None)
+    return sharding is None or sharding.mesh.empty
 
 
 def _rule_name(rule) -> str:

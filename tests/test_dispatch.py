@@ -686,6 +686,25 @@ def test_filter_spec_selects_arguments():
     assert seen[0][0] != "PassThrough"  # it was a tracer inside
 
 
+def test_a_predicate_filter_spec_lifts_only_the_values_it_selects():
+    x = _x()
+    seen = []
+
+    def fn(a, b):
+        seen.append((type(a), type(b)))
+        return a, b
+
+    chosen, other = PassThrough(x), PassThrough(2 * x)
+    out_a, out_b = quaxlike.quaxify(fn, filter_spec=lambda v: v is chosen)(chosen, other)
+    assert seen[0][0] is not PassThrough and seen[0][1] is PassThrough
+    assert type(out_a) is PassThrough and out_b.array is other.array
+    # A callable with leaves of its own is a prefix of filters, as in
+    # `eqx.partition`: an int among them is refused.
+    partial = jax.tree_util.Partial(lambda k, v: True, 3)
+    with pytest.raises(quaxlike.QuaxlikeError, match="filter_spec"):
+        quaxlike.quaxify(fn, filter_spec=partial)(chosen, other)
+
+
 def test_nested_quaxify_different_types():
     class D1(_Box):
         pass

@@ -179,3 +179,16 @@ def test_inlining_keeps_name_scopes():
         assert [str(e.source_info.name_stack) for e in jaxpr.eqns] == [
             str(e.source_info.name_stack) for e in plain.eqns
         ]
+
+
+def test_constant_operands_beside_the_value():
+    # NumPy arrays and Python scalars passed to a jitted function next to a
+    # Value reach the call as they are; the call still goes to the parent.
+    counted = _counting_type()
+    body = _inline_jit(lambda a, b, c: a * b + c)
+    a = randn(11, (3,))
+    b = np.arange(3.0, dtype=np.float32)
+    for _ in range(3):
+        jaxpr = _trace(lambda a: body(a, b, 2.0), counted(a))
+        out = jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, a)[0]
+        assert np.allclose(out, a * b + 2.0)
