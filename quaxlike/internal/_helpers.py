@@ -42,6 +42,18 @@ def output_aval(primitive: jc.Primitive, args: Sequence[Any], params: dict[str, 
         assert aval.shape == (3, 5)
         ```
     """
-    out = jax.eval_shape(lambda *xs: primitive.bind(*xs, **params), *map(_struct, args))
+    structs = list(map(_struct, args))
+    try:
+        # The primitive's own abstract evaluation: a hundred times cheaper than
+        # tracing a call with `jax.eval_shape`, which is what rules that build
+        # symbolic results (Zero's) pay on every primitive they handle.
+        out, _ = primitive.abstract_eval(
+            *(jc.ShapedArray(s.shape, s.dtype, weak_type=s.weak_type) for s in structs), **params
+        )
+    except Exception:
+        # None for these avals (higher-order and call primitives), or params it
+        # wants in the form `bind` gives them: trace the call instead, which
+        # also raises the real error for operands that do not fit.
+        out = jax.eval_shape(lambda *xs: primitive.bind(*xs, **params), *structs)
     to_aval = lambda s: jc.ShapedArray(s.shape, s.dtype, weak_type=s.weak_type)  # noqa: E731
     return [to_aval(s) for s in out] if primitive.multiple_results else to_aval(out)
