@@ -69,6 +69,13 @@ def current_eqn_context():
     return _core.JaxprEqnContext() if _EQN_CONTEXTS_INTERNED else None
 
 
+def without_mesh(aval) -> bool:
+    """Whether `aval` names no mesh in its sharding (nothing explicitly
+    sharded, nothing `bind` would reshard)."""
+    sharding = getattr(aval, "sharding", None)
+    return sharding is None or sharding.mesh.empty
+
+
 wrap_init = _lu.wrap_init
 WrappedFun = _lu.WrappedFun
 

@@ -50,26 +50,6 @@ _materialise_at_call: "weakref.WeakKeyDictionary[Any, dict[tuple, bool]]" = (
 )
 
 
-# (primitive, argument kinds) -> (the rule dispatch would choose, its entry in
-# `_inlining_rules` or None), for the rules generation in the first slot.
-_inlining_choice: dict[Any, Any] = {"generation": None}
-
-
-def _inlining_rule(primitive, values, kinds):
-    """The rule dispatch would choose for `values` of `primitive` (an inlinable
-    one), and how to get the sub-program to inline from its params (or None)."""
-    if _inlining_choice["generation"] != rules_generation():
-        _inlining_choice.clear()
-        _inlining_choice["generation"] = rules_generation()
-    key = (primitive, kinds)
-    try:
-        return _inlining_choice[key]
-    except KeyError:
-        rule = chosen_rule(primitive, values, kinds)
-        choice = _inlining_choice[key] = (rule, _inlining_rules.get(rule))
-        return choice
-
-
 def inlines(primitive, jaxpr_of):
     """Mark a rule for `primitive` as one the trace may inline (see above)."""
 
@@ -171,7 +151,8 @@ class QuaxTrace(jc.Trace):
         values = [t.value if type(t) is QuaxTracer and t._trace is self else t for t in tracers]
         if primitive in _inlinable_primitives and not self.eager:
             kinds = tuple(map(dispatch_kind, values))
-            rule, jaxpr_of = _inlining_rule(primitive, values, kinds)
+            rule = chosen_rule(primitive, values, kinds)
+            jaxpr_of = _inlining_rules.get(rule)
             jaxpr = jaxpr_of(params) if jaxpr_of is not None else None
             if jaxpr is not None:
                 if self.instrumented:
@@ -190,22 +171,24 @@ class QuaxTrace(jc.Trace):
         `closed_jaxpr`): inline it, or, when every operation on a Value in it
         would only materialise that Value, materialise at the call and hand the
         call to the parent trace (see `_materialise_at_call`)."""
-        # Verdicts already looked up by this trace: one dict hit per call (the
-        # trace is short-lived, so holding the jaxpr here keeps nothing alive).
+        # Verdicts already looked up by this trace: one dict hit per call. The
+        # entry holds the jaxpr so that its id is not reused while the trace
+        # lives (which is short: nothing is kept alive for long).
         local_key = (id(closed_jaxpr), kinds, rules_generation())
         known = self._verdicts.get(local_key)
-        if known is None:
+        if known is not None:
+            verdict = known[1]
+        else:
+            verdicts = _materialise_at_call.setdefault(closed_jaxpr, {})
             key = (type(self.parent_trace), local_key[2], kinds)
-            verdicts = _materialise_at_call.get(closed_jaxpr)
-            verdict = None if verdicts is None else verdicts.get(key)
+            verdict = verdicts.get(key)
+            outputs = None
             if verdict is None:
                 outputs, verdict = self._inline(closed_jaxpr, tracers, judge=True)
-                _materialise_at_call.setdefault(closed_jaxpr, {})[key] = verdict
-                self._verdicts[local_key] = (closed_jaxpr, verdict)
-                return outputs
+                verdicts[key] = verdict
             self._verdicts[local_key] = (closed_jaxpr, verdict)
-        else:
-            verdict = known[1]
+            if outputs is not None:
+                return outputs
         if verdict and _policy.current_mode() == "allow":
             # Exactly the default rule (`Value.default`), applied to the call
             # as a whole; the Values' avals are the tracers' own.
@@ -412,10 +395,7 @@ def _is_plain_tracer_of(x, trace) -> bool:
     """Whether `x` is a live tracer of `trace` with no mesh in its type: what
     `Primitive.bind` would pass on unchanged (already canonical, nothing to
     reshard)."""
-    if not isinstance(x, jc.Tracer) or x._trace is not trace:
-        return False
-    sharding = getattr(x.aval, "sharding", None)
-    return sharding is None or sharding.mesh.empty
+    return isinstance(x, jc.Tracer) and x._trace is trace and jc.without_mesh(x.aval)
 
 
 def _rule_name(rule) -> str:

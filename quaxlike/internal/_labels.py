@@ -3,6 +3,8 @@
 import jax
 from jax import lax
 
+from .. import _jax_compat as jc
+
 
 def dot_general_labels(dimension_numbers, lhs_ndim: int, rhs_ndim: int):
     """Label every dimension of a `dot_general`'s operands and output.
@@ -146,5 +148,4 @@ def bind_dot_general(x, y, dimension_numbers, params: dict):
 
 
 def _unsharded(x) -> bool:
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    return sharding is None or sharding.mesh.empty
+    return jc.without_mesh(jax.typeof(x))
