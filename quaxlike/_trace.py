@@ -204,10 +204,13 @@ class QuaxTrace(jc.Trace):
         parent = self.parent_trace
         arrays = list(values)
         direct = True
-        for i, (t, v) in enumerate(zip(tracers, values)):
-            if t is not v:
-                array = arrays[i] = materialise_unreported(primitive, values, i, t.aval)
-                direct = direct and _is_plain_tracer_of(array, parent)
+        # `materialise()` may itself compute (`factor * array`): under the
+        # parent trace, as rules run.
+        with jc.set_current_trace(parent):
+            for i, (t, v) in enumerate(zip(tracers, values)):
+                if t is not v:
+                    array = arrays[i] = materialise_unreported(primitive, values, i, t.aval)
+                    direct = direct and _is_plain_tracer_of(array, parent)
         if direct:
             avals = [t.aval if t is not v else jax.typeof(t) for t, v in zip(tracers, values)]
             return primitive.bind_with_trace(parent, arrays, avals, params)

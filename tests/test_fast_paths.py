@@ -11,6 +11,7 @@ Each test compares against plain JAX on the materialised arrays, and checks the
 path taken through what it changes: how many times a Value is materialised.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,6 +86,26 @@ def test_a_value_returned_unchanged_stays_a_value():
         passed, total = jax.jit(quaxlike.quaxify(body, check=False))(counted(a), b)
         assert isinstance(passed, counted)
         assert np.allclose(total, jnp.sin(a) + b)
+
+
+def test_materialise_that_computes_runs_under_the_parent_trace():
+    # `materialise()` here is a JAX computation on the Value's (traced) array:
+    # it must be staged into the enclosing program, not run eagerly.
+    class Scaled(quaxlike.ArrayValue):
+        array: jax.Array
+        factor: float = eqx.field(static=True)
+
+        def aval(self):
+            return quaxlike.internal.ShapedArray(self.array.shape, self.array.dtype)
+
+        def materialise(self):
+            return self.factor * self.array
+
+    body = _inline_jit(lambda a: jnp.sin(a) + 1.0)
+    a = randn(9, (3,))
+    fn = jax.jit(quaxlike.quaxify(body, check=False))
+    for factor in (2.0, 3.0, 3.0):  # the last call takes the materialise-at-call path
+        assert np.allclose(fn(Scaled(a, factor)), jnp.sin(factor * a) + 1.0)
 
 
 def test_an_unread_value_is_never_materialised():
