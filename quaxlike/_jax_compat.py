@@ -15,6 +15,7 @@ import jax
 import jax.extend.core as jex_core
 from jax import lax
 from jax._src import (
+    array as _array,
     config as _config,
     core as _core,
     linear_util as _lu,
@@ -36,6 +37,22 @@ ShapedArray = _core.ShapedArray
 Ref = _core.Ref
 set_current_trace = jex_core.set_current_trace
 take_current_trace = jex_core.take_current_trace
+# The class of concrete arrays: its instances carry their aval (without the
+# sharding, which `jax.typeof` folds in) and sharding as plain attributes.
+ArrayImpl = _array.ArrayImpl
+
+
+def register_tracer_class(cls: type) -> None:
+    """Give `jax.typeof` its one-lookup path for instances of the `Tracer`
+    subclass `cls` (the same answer, `x.aval`, without walking `cls.__mro__`
+    on every call, which JAX's own tracers avoid the same way)."""
+    _core.pytype_aval_mappings[cls] = _core.pytype_aval_mappings[Tracer]
+
+
+def jit_disabled() -> bool:
+    """Whether `jax.disable_jit()` is in effect."""
+    return bool(_config.disable_jit.value)
+
 
 # --- jaxprs ------------------------------------------------------------------
 

@@ -78,6 +78,9 @@ class QuaxTracer(jc.Tracer):
         return f"QuaxTracer<{type(self.value).__qualname__}: {self.aval.str_short()}>"
 
 
+jc.register_tracer_class(QuaxTracer)
+
+
 class QuaxTrace(jc.Trace):
     """One `quaxify` call's trace. Its parent is whatever trace was current when
     the call began (another `QuaxTrace`, a jit/grad/vmap trace, or eager).

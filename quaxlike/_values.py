@@ -38,10 +38,11 @@ class Value(eqx.Module):
     to `False` for types that are cheap and expected to become dense.
 
     The class attribute `compile_eagerly` (default `True`) lets a `jax.numpy`
-    function applied to this type outside any transformation run as one cached,
-    compiled call (much faster than its operations one by one). Set it to
-    `False` when your rules compute with concrete values in eager mode (a type
-    holding static Python scalars), which a compiled call would make abstract.
+    function or an arithmetic operator (`+ - * / // % @`) applied to this type
+    outside any transformation run as one cached, compiled call (much faster
+    than its operations one by one). Set it to `False` when your rules compute
+    with concrete values in eager mode (a type holding static Python scalars),
+    which a compiled call would make abstract.
 
     Unlike other Equinox Modules, a Value's bound methods (`value.materialise`)
     are ordinary Python bound methods, not PyTrees: rules call them on every
