@@ -24,7 +24,7 @@ from ._rules import (
     falls_back_to_materialising,
     rules_generation,
 )
-from ._values import checked_aval, materialise_unreported, Value
+from ._values import checked_aval, is_value, materialise_unreported, Value
 
 
 # Rules that only say "run this sub-program here" (`jit(inline=True)`, which most
@@ -124,7 +124,7 @@ class QuaxTrace(jc.Trace):
         return x.value if type(x) is QuaxTracer and x._trace is self else x
 
     def _wrap_output(self, x: Any, primitive, rule) -> Any:
-        if isinstance(x, Value):
+        if is_value(x):
             return QuaxTracer(self, x)
         if isinstance(x, (jax.Array, jc.Tracer, jc.Ref)):
             return x
