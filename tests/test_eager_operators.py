@@ -249,6 +249,14 @@ def test_inside_a_transformation_within_the_function():
     _same(_not_compiled(_eager(fn), quaxlike.DenseArrayValue(x), y), 2.0 * x)
 
 
+def test_numpy_scalars():
+    # `jax.jit` hands a NumPy scalar to `jit_p` as a NumPy array, a type the
+    # scalar is not an instance of: dispatch could tell, so JAX's path is kept.
+    x = randn(26, (3,))
+    out = _not_compiled(_eager(lambda a, c: a * c), quaxlike.DenseArrayValue(x), np.float32(2))
+    _same(out, x * np.float32(2))
+
+
 def test_under_disable_jit():
     x = randn(18, (3,))
     with jax.disable_jit():

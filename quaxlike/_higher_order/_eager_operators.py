@@ -16,9 +16,10 @@ eager `QuaxTrace` itself (not a transformation inside the quaxified function),
 `jax.disable_jit` is off, the materialise policy is "allow", nothing is being
 explained or checked, every Value's type allows compiling eagerly
 (`Value.compile_eagerly`), the other operand is a Value lifted by the same
-trace, a concrete array or a Python/NumPy number, and the `jit_p` rule that dispatch
-would choose for the operands is the built-in one (a user's own `jit_p` rule
-for their type still wins). Otherwise the operator runs as JAX defines it.
+trace, a concrete array, a NumPy array or a Python number, and the `jit_p`
+rule that dispatch would choose for the operands is the built-in one (a
+user's own `jit_p` rule for their type still wins). Otherwise the operator
+runs as JAX defines it.
 """
 
 import jax
@@ -54,7 +55,10 @@ _OPERATORS = (
     "rmatmul",
 )
 
-_NUMBERS = (bool, int, float, complex, np.ndarray, np.generic)
+# Operands that `jax.jit` passes to `jit_p` as instances of subclasses of their
+# own types, so that dispatch on `jit_p` sees them alike either way. (NumPy
+# scalars are not among them: `jax.jit` turns them into NumPy arrays.)
+_NUMBERS = (bool, int, float, complex, np.ndarray)
 
 # Compiled calls, dropped all at once past this many (eager code applied to
 # ever new shapes must not grow the cache without bound).
