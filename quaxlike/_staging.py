@@ -10,23 +10,41 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from . import _instrument, _policy
+from . import _instrument, _jax_compat as jc, _policy
 from ._rules import rules_generation
 
 
 _Rule = TypeVar("_Rule", bound=Callable[..., Any])
 
 
-def split_arrays(tree) -> tuple[list, tuple, Any, tuple]:
+# Whether a leaf counts as an array depends on its type alone (`eqx.is_array`
+# is an `isinstance` check, about half a microsecond against the `jax.Array`
+# ABC): remembered per predicate, per type.
+_array_types: dict[Callable, dict[type, bool]] = {}
+
+
+def split_arrays(
+    tree, is_array: Callable[[Any], bool] = eqx.is_array
+) -> tuple[list, tuple, Any, tuple]:
     """The array leaves of `tree`, their positions among all its leaves, its
     structure, and its other leaves (`None` where an array was): what crosses a
-    JAX transformation, and what is closed over. `join_arrays` undoes it."""
+    JAX transformation, and what is closed over. `join_arrays` undoes it.
+    `is_array` says which leaves count as arrays; its answer must depend on the
+    leaf's type only."""
     leaves, treedef = jtu.tree_flatten(tree)
-    positions = tuple(i for i, leaf in enumerate(leaves) if eqx.is_array(leaf))
-    arrays = [leaves[i] for i in positions]
-    for i in positions:
-        leaves[i] = None
-    return arrays, positions, treedef, tuple(leaves)
+    known = _array_types.get(is_array)
+    if known is None:
+        known = _array_types[is_array] = {}
+    arrays, positions = [], []
+    for i, leaf in enumerate(leaves):
+        answer = known.get(type(leaf))
+        if answer is None:
+            answer = known[type(leaf)] = is_array(leaf)
+        if answer:
+            arrays.append(leaf)
+            positions.append(i)
+            leaves[i] = None
+    return arrays, tuple(positions), treedef, tuple(leaves)
 
 
 def join_arrays(arrays, positions, treedef, others):
@@ -37,16 +55,27 @@ def join_arrays(arrays, positions, treedef, others):
     return jtu.tree_unflatten(treedef, leaves)
 
 
+def _aval_key(x) -> Any:
+    # What `jax.typeof(x)` says, as a key: a concrete array carries its aval
+    # (without the sharding, which `typeof` folds in) and its sharding as plain
+    # attributes, which is a tenth of the cost.
+    if type(x) is jc.ArrayImpl:
+        return x.aval, x.sharding
+    return jax.typeof(x)
+
+
 def staging_key(arrays, positions, treedef, others) -> tuple:
     """What a staged call's program depends on besides its params: the
     arguments' structure and non-array leaves, the avals of their array
     leaves, the registered rules (their generation) and checked mode. May hold
-    unhashable leaves: hash it before use."""
+    unhashable leaves: hash it before use. Raises `TypeError` or
+    `OverflowError` for an array leaf JAX cannot represent (a Python int too
+    large), as `jax.typeof` does."""
     return (
         treedef,
         positions,
         others,
-        tuple(map(jax.typeof, arrays)),
+        tuple(map(_aval_key, arrays)),
         rules_generation(),
         _instrument.checking.get(),
     )

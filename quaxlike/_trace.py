@@ -214,11 +214,10 @@ class QuaxTrace(jc.Trace):
                 if t is not v:
                     array = arrays[i] = materialise_unreported(primitive, values, i, t.aval)
                     direct = direct and _is_plain_tracer_of(array, parent)
-        if direct:
-            avals = [t.aval if t is not v else jax.typeof(t) for t, v in zip(tracers, values)]
-            return primitive.bind_with_trace(parent, arrays, avals, params)
-        with jc.set_current_trace(parent):
-            return primitive.bind(*arrays, **params)
+            if not direct:
+                return primitive.bind(*arrays, **params)
+        avals = [t.aval if t is not v else jax.typeof(t) for t, v in zip(tracers, values)]
+        return primitive.bind_with_trace(parent, arrays, avals, params)
 
     def _inline(self, closed_jaxpr, tracers, judge=False):
         """Evaluate `closed_jaxpr`'s equations in this trace.

@@ -23,13 +23,12 @@ runs as JAX defines it.
 """
 
 import jax
-import jax.tree_util as jtu
 import numpy as np
 
 from .. import _instrument, _jax_compat as jc, _policy
 from .._quaxify import lifted_call
 from .._rules import chosen_rule, dispatch_kind, rules_generation
-from .._staging import StagedCall
+from .._staging import split_arrays, StagedCall, staging_key
 from .._trace import QuaxTracer
 from .._values import is_value, Value
 from ._jit import jit_p_values
@@ -71,18 +70,12 @@ _calls: dict[tuple, StagedCall] = {}
 _applies: dict[tuple[type, type], bool] = {}
 _applies_generation = -1
 
-# What an operand's leaf is, by its type: a concrete array, another array or a
-# number, a tracer (of another trace), or anything else (a non-array field).
-_CONCRETE, _ARRAY, _TRACER, _OTHER = "concrete", "array", "tracer", "other"
-_leaf_kinds: dict[type, str] = {}
 
-
-def _leaf_kind(leaf) -> str:
-    if isinstance(leaf, jc.Tracer):
-        return _TRACER
-    if type(leaf) is jc.ArrayImpl:
-        return _CONCRETE
-    return _ARRAY if isinstance(leaf, (jax.Array, *_NUMBERS)) else _OTHER
+def _is_operand_array(leaf) -> bool:
+    # An operand's array leaves, for `split_arrays`: Python numbers and NumPy
+    # arrays count (they become traced arguments, as in the jitted `jax.numpy`
+    # function).
+    return isinstance(leaf, (jax.Array, *_NUMBERS))
 
 
 def _may_apply(value: Value, other) -> bool:
@@ -126,27 +119,12 @@ def _compiled_operator(tracer: QuaxTracer, name: str, standard, other):
         applies = _applies[types] = _may_apply(value, other)
     if not applies:
         return NotImplemented
-    # The operands' array leaves (Python and NumPy numbers count: they become
-    # traced arguments, as in the jitted `jax.numpy` function), their avals,
-    # and the other leaves.
-    leaves, treedef = jtu.tree_flatten((value, other))
-    arrays, positions, avals = [], [], []
+    arrays, positions, treedef, others = split_arrays((value, other), _is_operand_array)
+    for array in arrays:
+        if isinstance(array, jc.Tracer):
+            return NotImplemented  # a Value holding another trace's tracer
     try:
-        for i, leaf in enumerate(leaves):
-            kind = _leaf_kinds.get(type(leaf))
-            if kind is None:
-                kind = _leaf_kinds[type(leaf)] = _leaf_kind(leaf)
-            if kind is _OTHER:
-                continue
-            if kind is _TRACER:
-                return NotImplemented  # a Value holding another trace's tracer
-            arrays.append(leaf)
-            positions.append(i)
-            leaves[i] = None
-            # A concrete array's aval and sharding: what `jax.typeof` combines,
-            # at a tenth of the cost.
-            avals.append((leaf.aval, leaf.sharding) if kind is _CONCRETE else jax.typeof(leaf))
-        key = (name, treedef, tuple(positions), tuple(leaves), tuple(avals), generation)
+        key = (name, *staging_key(arrays, positions, treedef, others))
         call = _calls.get(key)
     except (TypeError, OverflowError):
         # A number JAX cannot represent, or a non-array field that cannot be
@@ -155,7 +133,7 @@ def _compiled_operator(tracer: QuaxTracer, name: str, standard, other):
     if call is None:
         if len(_calls) >= _MAX_CACHED:
             _calls.clear()
-        call = _calls[key] = StagedCall(_operator_body(standard), name, key[2], treedef, key[3])
+        call = _calls[key] = StagedCall(_operator_body(standard), name, positions, treedef, others)
     # Called under the parent (eager) trace, so that JAX's C++ dispatch of
     # compiled programs applies.
     with jc.set_current_trace(trace.parent_trace):
