@@ -37,6 +37,11 @@ ShapedArray = _core.ShapedArray
 Ref = _core.Ref
 set_current_trace = jex_core.set_current_trace
 take_current_trace = jex_core.take_current_trace
+# The holder of the current trace, for the hottest paths: `trace_ctx.trace` is the
+# current trace and `trace_ctx.set_trace(t)` makes `t` current, which is what
+# `set_current_trace` does without building a context manager (as JAX's own
+# `Primitive.bind` does).
+trace_ctx = _core.trace_ctx
 # The class of concrete arrays: its instances carry their aval (without the
 # sharding, which `jax.typeof` folds in) and sharding as plain attributes.
 ArrayImpl = _array.ArrayImpl

@@ -65,7 +65,11 @@ class QuaxTracer(jc.Tracer):
     __slots__ = ("value",)
 
     def __init__(self, trace: "QuaxTrace", value: Value):
-        aval = checked_aval(value)
+        # `checked_aval`, inlined: every Value lifted or returned by a rule
+        # passes here.
+        aval = value.aval()
+        if not isinstance(aval, jc.AbstractValue):
+            aval = checked_aval(value)  # raises, naming the type
         if jc.tracking_varying_axes():
             aval = jc.with_varying_axes_of(aval, jax.tree_util.tree_leaves(value))
         super().__init__(trace, aval)
@@ -100,9 +104,13 @@ class QuaxTrace(jc.Trace):
         # Directly under eager execution, sub-programs are better run compiled
         # than inlined op by op (see `inlines`).
         self.eager = jc.is_eager(parent_trace)
-        # (id of a sub-program, argument kinds, rules generation) -> (the
-        # sub-program, its `_materialise_at_call` verdict).
-        self._verdicts: dict[tuple, tuple] = {}
+        # What this trace has worked out for call-like primitives, valid for the
+        # rules generation `_generation`: (primitive, argument kinds) -> the
+        # chosen rule's `jaxpr_of` (or None), and a dict from the id of each
+        # sub-program seen to (the sub-program, its `_materialise_at_call`
+        # verdict). See `_call_plan`.
+        self._generation = rules_generation()
+        self._plans: dict[tuple, tuple] = {}
 
     def _adopt(self, tracers):
         return [
@@ -152,44 +160,68 @@ class QuaxTrace(jc.Trace):
                 self.parent_trace, tracers, [jax.typeof(t) for t in tracers], params
             )
         values = [t.value if type(t) is QuaxTracer and t._trace is self else t for t in tracers]
-        if primitive in _inlinable_primitives and not self.eager:
-            kinds = tuple(map(dispatch_kind, values))
-            rule = chosen_rule(primitive, values, kinds)
-            jaxpr_of = _inlining_rules.get(rule)
-            jaxpr = jaxpr_of(params) if jaxpr_of is not None else None
-            if jaxpr is not None:
-                if self.instrumented:
-                    return self._process_observed(
-                        primitive, tracers, values, params, inline=(jaxpr, rule)
-                    )
-                return self._call_sub_program(primitive, jaxpr, tracers, values, kinds, params)
         if self.instrumented:
             return self._process_observed(primitive, tracers, values, params)
+        if primitive in _inlinable_primitives and not self.eager:
+            out = self._call_sub_program(primitive, tracers, values, params)
+            if out is not NotImplemented:
+                return out
         with jc.set_current_trace(self.parent_trace):
             out, rule = dispatch(primitive, values, params)
         return self._wrap_outputs(out, primitive, rule)
 
-    def _call_sub_program(self, primitive, closed_jaxpr, tracers, values, kinds, params):
-        """Apply a call-like `primitive` (whose built-in rule would inline
-        `closed_jaxpr`): inline it, or, when every operation on a Value in it
-        would only materialise that Value, materialise at the call and hand the
-        call to the parent trace (see `_materialise_at_call`)."""
+    def _call_plan(self, primitive, values, kinds) -> tuple:
+        """What this trace knows about a call-like `primitive` applied to
+        `values` (of `kinds`): the chosen rule's `jaxpr_of` (`None` if that
+        rule does not inline) and the verdicts found so far, by id of the
+        sub-program (see `_call_sub_program`)."""
+        if self._generation != rules_generation():
+            # A rule was registered while this trace ran.
+            self._generation = rules_generation()
+            self._plans.clear()
+        key = (primitive, kinds)
+        plan = self._plans.get(key)
+        if plan is None:
+            jaxpr_of = _inlining_rules.get(chosen_rule(primitive, values, kinds))
+            plan = self._plans[key] = (jaxpr_of, {})
+        return plan
+
+    def _sub_program(self, primitive, values, params):
+        """The `ClosedJaxpr` that the rule dispatch would choose for a call-like
+        `primitive` applied to `values` would inline, or `None` (the rule does
+        not inline, or another rule is chosen)."""
+        kinds = tuple(map(dispatch_kind, values))
+        jaxpr_of = self._call_plan(primitive, values, kinds)[0]
+        return None if jaxpr_of is None else jaxpr_of(params)
+
+    def _call_sub_program(self, primitive, tracers, values, params):
+        """Apply a call-like `primitive` whose chosen rule would inline its
+        sub-program (else `NotImplemented`): inline it, or, when every operation
+        on a Value in it would only materialise that Value, materialise at the
+        call and hand the call to the parent trace (see `_materialise_at_call`)."""
+        # `dispatch_kind` of each, inlined: this runs for every call on a Value.
+        kinds = tuple(
+            [(type(v), type(v.aval)) if isinstance(v, jc.Tracer) else type(v) for v in values]
+        )
+        jaxpr_of, known_verdicts = self._call_plan(primitive, values, kinds)
+        closed_jaxpr = None if jaxpr_of is None else jaxpr_of(params)
+        if closed_jaxpr is None:
+            return NotImplemented
         # Verdicts already looked up by this trace: one dict hit per call. The
         # entry holds the jaxpr so that its id is not reused while the trace
         # lives (which is short: nothing is kept alive for long).
-        local_key = (id(closed_jaxpr), kinds, rules_generation())
-        known = self._verdicts.get(local_key)
+        known = known_verdicts.get(id(closed_jaxpr))
         if known is not None:
             verdict = known[1]
         else:
             verdicts = _materialise_at_call.setdefault(closed_jaxpr, {})
-            key = (type(self.parent_trace), local_key[2], kinds)
+            key = (type(self.parent_trace), self._generation, kinds)
             verdict = verdicts.get(key)
             outputs = None
             if verdict is None:
                 outputs, verdict = self._inline(closed_jaxpr, tracers, judge=True)
                 verdicts[key] = verdict
-            self._verdicts[local_key] = (closed_jaxpr, verdict)
+            known_verdicts[id(closed_jaxpr)] = (closed_jaxpr, verdict)
             if outputs is not None:
                 return outputs
         if verdict and _policy.current_mode() == "allow":
@@ -205,18 +237,38 @@ class QuaxTrace(jc.Trace):
         when the results are the parent's own canonical tracers the primitive
         is bound on the parent trace directly."""
         parent = self.parent_trace
-        arrays = list(values)
+        arrays = []
+        avals = []
         direct = True
         # `materialise()` may itself compute (`factor * array`): under the
-        # parent trace, as rules run.
-        with jc.set_current_trace(parent):
+        # parent trace, as rules run. (`set_current_trace`, without the cost of
+        # a context manager on this path.)
+        trace_ctx = jc.trace_ctx
+        previous = trace_ctx.trace
+        trace_ctx.set_trace(parent)
+        try:
             for i, (t, v) in enumerate(zip(tracers, values)):
-                if t is not v:
-                    array = arrays[i] = materialise_unreported(primitive, values, i, t.aval)
-                    direct = direct and _is_plain_tracer_of(array, parent)
+                if t is v:
+                    arrays.append(t)
+                    avals.append(t.aval if isinstance(t, jc.Tracer) else jax.typeof(t))
+                    continue
+                aval = t.aval
+                array = materialise_unreported(primitive, values, i, aval)
+                arrays.append(array)
+                avals.append(aval)
+                # Bound directly only if every array is a live tracer of the
+                # parent with no mesh in its type: what `Primitive.bind` would
+                # pass on unchanged (already canonical, nothing to reshard).
+                if direct and not (
+                    isinstance(array, jc.Tracer)
+                    and array._trace is parent
+                    and jc.without_mesh(array.aval)
+                ):
+                    direct = False
             if not direct:
                 return primitive.bind(*arrays, **params)
-        avals = [t.aval if t is not v else jax.typeof(t) for t, v in zip(tracers, values)]
+        finally:
+            trace_ctx.set_trace(previous)
         return primitive.bind_with_trace(parent, arrays, avals, params)
 
     def _inline(self, closed_jaxpr, tracers, judge=False):
@@ -290,16 +342,19 @@ class QuaxTrace(jc.Trace):
             )
         return self._wrap_output(out, primitive, rule)
 
-    def _process_observed(self, primitive, tracers, values, params, inline=None):
+    def _process_observed(self, primitive, tracers, values, params):
         """`process_primitive` under `explain` (record what ran, and name the
         equations each rule emits) or checked mode (compare each rule's outputs
-        with the primitive's abstract evaluation). `inline` is `(jaxpr, rule)`
-        when the chosen rule's sub-program is evaluated in this trace."""
+        with the primitive's abstract evaluation). A call-like primitive whose
+        chosen rule inlines its sub-program is evaluated in this trace."""
+        jaxpr = None
+        if primitive in _inlinable_primitives and not self.eager:
+            jaxpr = self._sub_program(primitive, values, params)
         recorder = _instrument.recorder.get()
         record = recorder.open(primitive, values) if recorder is not None else None
         try:
-            if inline is not None:
-                jaxpr, rule = inline
+            if jaxpr is not None:
+                rule = chosen_rule(primitive, values)
                 outputs = self._inline(jaxpr, tracers)
             else:
                 with jc.set_current_trace(self.parent_trace):
@@ -394,13 +449,6 @@ def _is_plain_primitive(primitive) -> bool:
     """Whether binding `primitive` is an ordinary `process_primitive` (not a call,
     custom-derivative or mapped primitive with its own trace hook)."""
     return type(primitive).bind_with_trace is jc.Primitive.bind_with_trace
-
-
-def _is_plain_tracer_of(x, trace) -> bool:
-    """Whether `x` is a live tracer of `trace` with no mesh in its type: what
-    `Primitive.bind` would pass on unchanged (already canonical, nothing to
-    reshard)."""
-    return isinstance(x, jc.Tracer) and x._trace is trace and jc.without_mesh(x.aval)
 
 
 def _rule_name(rule) -> str:

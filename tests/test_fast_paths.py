@@ -141,6 +141,54 @@ def test_a_rule_registered_later_is_used():
     assert np.allclose(jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, a)[0], jnp.cos(a) + 1.0)
 
 
+def test_a_rule_registered_while_the_trace_runs_is_used_from_then_on():
+    # The trace remembers, per call-like primitive and argument kinds, which
+    # rule applies and whether the call only materialises; registering a rule
+    # mid-trace must make it forget.
+    counted = _counting_type()
+    body = _inline_jit(lambda a: jnp.sin(a) + 1.0)
+    a = randn(10, (3,))
+
+    def register_cos_for_sin():
+        @quaxlike.register(jax.lax.sin_p)
+        def _(x: counted, **params):
+            return jnp.cos(x.array)
+
+    def fn(v):
+        before = [body(v) for _ in range(2)]  # the second takes the cached path
+        register_cos_for_sin()
+        after = body(v)
+        return before, after
+
+    jaxpr = _trace(fn, counted(a))
+    (before_1, before_2), after = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(((0, 0), 0)),
+        jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, a),
+    )
+    assert np.allclose(before_1, jnp.sin(a) + 1.0)
+    assert np.allclose(before_2, jnp.sin(a) + 1.0)
+    assert np.allclose(after, jnp.cos(a) + 1.0)
+
+
+def test_a_materialise_that_breaks_its_promise_is_caught_on_the_fast_path():
+    class Liar(quaxlike.ArrayValue):
+        array: jax.Array
+
+        def aval(self):
+            return quaxlike.internal.ShapedArray((3,), jnp.float32)
+
+        def materialise(self):
+            return self.array  # whatever shape it holds, whatever `aval` says
+
+    body = _inline_jit(lambda a: jnp.sin(a))
+    honest = Liar(randn(11, (3,)))
+    for _ in range(2):  # judged once: the call only materialises
+        _trace(body, honest)
+    liar = Liar(randn(12, (2,)))
+    with pytest.raises(quaxlike.QuaxlikeError, match="Liar"):
+        _trace(body, liar)  # the materialise-at-call path checks it too
+
+
 def test_a_sub_program_with_a_rule_inside_is_inlined():
     from helpers import PassThrough
 
