@@ -148,6 +148,12 @@ class QuaxTrace(jc.Trace):
 
     # --- the hooks JAX calls -------------------------------------------------
 
+    # Handing an operation to the parent trace calls its `process_primitive`
+    # directly. `Primitive.bind_with_trace(trace, args, avals, params)` would
+    # first lower a "high" primitive (`primitive.is_high(*avals, **params)`)
+    # for a trace that `requires_low`, as every trace does; but JAX made that
+    # check, with these same avals and params, on its way to this trace (the
+    # only caller of `process_primitive`), so it would find nothing to lower.
     def process_primitive(self, primitive, tracers, params):
         if self.adopts:
             tracers = self._adopt(tracers)
@@ -155,10 +161,9 @@ class QuaxTrace(jc.Trace):
             if type(t) is QuaxTracer and t._trace is self:
                 break
         else:
-            # No Value involved: hand the operation straight to the parent trace.
-            return primitive.bind_with_trace(
-                self.parent_trace, tracers, [jax.typeof(t) for t in tracers], params
-            )
+            # No Value involved: hand the operation straight to the parent trace
+            # (see above).
+            return self.parent_trace.process_primitive(primitive, tracers, params)
         values = [t.value if type(t) is QuaxTracer and t._trace is self else t for t in tracers]
         if self.instrumented:
             return self._process_observed(primitive, tracers, values, params)
@@ -238,7 +243,6 @@ class QuaxTrace(jc.Trace):
         is bound on the parent trace directly."""
         parent = self.parent_trace
         arrays = []
-        avals = []
         direct = True
         # `materialise()` may itself compute (`factor * array`): under the
         # parent trace, as rules run. (`set_current_trace`, without the cost of
@@ -250,12 +254,9 @@ class QuaxTrace(jc.Trace):
             for i, (t, v) in enumerate(zip(tracers, values)):
                 if t is v:
                     arrays.append(t)
-                    avals.append(t.aval if isinstance(t, jc.Tracer) else jax.typeof(t))
                     continue
-                aval = t.aval
-                array = materialise_unreported(primitive, values, i, aval)
+                array = materialise_unreported(primitive, values, i, t.aval)
                 arrays.append(array)
-                avals.append(aval)
                 # Bound directly only if every array is a live tracer of the
                 # parent with no mesh in its type: what `Primitive.bind` would
                 # pass on unchanged (already canonical, nothing to reshard).
@@ -269,7 +270,9 @@ class QuaxTrace(jc.Trace):
                 return primitive.bind(*arrays, **params)
         finally:
             trace_ctx.set_trace(previous)
-        return primitive.bind_with_trace(parent, arrays, avals, params)
+        # As `primitive.bind_with_trace(parent, arrays, <the tracers' avals>,
+        # params)`: see the comment on `process_primitive`.
+        return parent.process_primitive(primitive, arrays, params)
 
     def _inline(self, closed_jaxpr, tracers, judge=False):
         """Evaluate `closed_jaxpr`'s equations in this trace.
