@@ -5,7 +5,7 @@
 Each script runs in its own Python process (so no script sees the caches or the
 memory another one left), with the flags given here passed on. `--in-process`
 imports and runs them one after another in this process instead, which saves
-starting JAX six times (the smoke test uses it with `--quick`). Exits with
+starting JAX once per script (the smoke test uses it with `--quick`). Exits with
 status 1 if any script failed, after running the others.
 """
 
@@ -18,7 +18,15 @@ import time
 import traceback
 
 
-SCRIPTS = ("trace_time", "eager_ops", "compile_run", "nested", "memory", "depth_scaling")
+SCRIPTS = (
+    "trace_time",
+    "eager_ops",
+    "compile_run",
+    "nested",
+    "memory",
+    "depth_scaling",
+    "instructions",
+)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -2,8 +2,11 @@
 table. Structural only: nothing here looks at a measured number."""
 
 import os
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,12 +20,24 @@ TABLES = (
 )
 
 
-def test_run_all_quick():
+# Timed scripts; `instructions.py` (run under Valgrind, a minute even when quick)
+# has its own test below, among the slow ones.
+TIMED = ("trace_time", "eager_ops", "compile_run", "nested", "memory", "depth_scaling")
+
+
+def _run_quick(*scripts: str) -> str:
     # The suite's own settings (checked mode, set by conftest.py) are not passed on:
     # the scripts run as a user would run them.
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUAXLIKE_")}
     result = subprocess.run(
-        [sys.executable, os.path.join("benchmarks", "run_all.py"), "--quick", "--in-process"],
+        [
+            sys.executable,
+            os.path.join("benchmarks", "run_all.py"),
+            "--quick",
+            "--in-process",
+            "--only",
+            *scripts,
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -30,9 +45,30 @@ def test_run_all_quick():
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    out = result.stdout
-    for title in TABLES:
+    return result.stdout
+
+
+def _assert_tables(out: str, titles) -> None:
+    for title in titles:
         assert title in out, f"missing table {title!r}"
         table = out.split(title, 1)[1].lstrip("\n").splitlines()
         assert table[0].startswith("| ") and set(table[1]) <= set("|-"), table[:2]
-    assert out.count("- CPU: ") == len(TABLES)
+    assert out.count("- CPU: ") == len(titles)
+
+
+def test_run_all_quick():
+    _assert_tables(_run_quick(*TIMED), TABLES)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
+def test_instructions_quick():
+    out = _run_quick("instructions")
+    _assert_tables(out, ("### Instructions per trace",))
+    rows = out.split("### Instructions per trace", 1)[1].strip().splitlines()[2:5]
+    assert [row.split("|")[1].strip() for row in rows] == ["dense", "lora", "nested"]
+    for row in rows:  # every count is a positive number of millions
+        baseline, quaxlike = (
+            float(cell.strip().removesuffix(" M")) for cell in row.split("|")[3:5]
+        )
+        assert baseline > 0 and quaxlike > 0

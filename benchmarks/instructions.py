@@ -1,0 +1,199 @@
+"""Trace cost in machine instructions: plain JAX against quaxlike, counted by
+Valgrind's callgrind instead of timed.
+
+On a shared machine the wall-clock ratios of `trace_time.py` and `nested.py`
+move by several percent between runs, as much as the margins to their targets.
+The number of instructions a trace executes does not depend on what else runs
+on the machine: run twice, the counts agree to about 0.01%. It is a proxy for
+time (it ignores cache misses and memory stalls, which tracing has few of), so
+this script answers "did a change make tracing cheaper, and by how much"
+reproducibly; the timed scripts remain the measure the targets are stated in.
+
+The same cases as `trace_time.py` (dense through the interpreter, LoRA against
+hand-written) and `nested.py` (Zero outer, LoRA inner, against one `quaxify`),
+each sample a freshly built function as there. All cases run in one Python
+process under `valgrind --tool=callgrind`, with instrumentation switched on only
+around the measured samples; each measured segment is closed by a callgrind
+dump, and the cost of requesting a dump (measured on empty segments) is
+subtracted. Without Valgrind the script says so and exits without measuring.
+
+Run: `python benchmarks/instructions.py [--quick] [--repeats N]` (repeats:
+samples per cell; about a minute per depth-32 cell under Valgrind).
+"""
+
+import glob
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import _harness as h
+
+
+_CHILD_FLAG = "--measure-under-valgrind"
+_TARGETS = {"dense": 1.10, "lora": 1.10, "nested": 1.05}
+
+
+def _cases(quick: bool):
+    """(case, depth) pairs, in the order measured and printed."""
+    if quick:
+        return [("dense", 2), ("lora", 2), ("nested", 2)]
+    return [("dense", 8), ("dense", 32), ("lora", 8), ("lora", 32), ("nested", 32)]
+
+
+def _factories(case: str, depth: int, width: int):
+    """`(make_baseline, make_quaxlike)`: each call builds a fresh zero-argument
+    callable that traces the case once."""
+    import jax
+
+    if case in ("dense", "lora"):
+        import trace_time
+
+        return (trace_time.dense_case if case == "dense" else trace_time.lora_case)(depth, width)
+    import nested
+
+    model = nested.make_model(depth, width)
+    x = h.array((width,))
+
+    def tracing(make_wrapper):
+        def make():
+            f = make_wrapper()
+            return lambda: jax.make_jaxpr(f)(model, x)
+
+        return make
+
+    return tracing(nested.single), tracing(nested.zero_outer)
+
+
+# --- inside Valgrind ----------------------------------------------------------
+
+
+def _callgrind(*command: str) -> None:
+    subprocess.run(
+        ["callgrind_control", *command, str(os.getpid())],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        check=True,
+    )
+
+
+def _measure(quick: bool, samples: int, width: int) -> None:
+    """Trace every case `samples` times per side, closing each side's segment
+    with a callgrind dump named `case:depth:side`."""
+    import gc
+
+    prepared = []
+    for case, depth in _cases(quick):
+        make_baseline, make_quaxlike = _factories(case, depth, width)
+        for _ in range(2):  # warm JAX's caches (jnp functions' jaxprs, ...)
+            make_baseline()()
+            make_quaxlike()()
+        prepared.append((case, depth, make_baseline, make_quaxlike))
+    gc.collect()
+    gc.freeze()
+    _callgrind("--instr=on")
+    _callgrind("--dump=start")
+    for i in range(3):
+        _callgrind(f"--dump=empty:{i}:-")
+    for case, depth, make_baseline, make_quaxlike in prepared:
+        for side, make in (("baseline", make_baseline), ("quaxlike", make_quaxlike)):
+            fns = [make() for _ in range(samples)]  # built outside the segment
+            _callgrind("--dump=skip")
+            for fn in fns:
+                fn()
+            _callgrind(f"--dump={case}:{depth}:{side}")
+            del fns
+    _callgrind("--instr=off")
+
+
+# --- outside -----------------------------------------------------------------
+
+
+def _read_dumps(directory: str) -> dict[tuple[str, str, str], int]:
+    counts = {}
+    for path in glob.glob(os.path.join(directory, "cg.out.*")):
+        with open(path) as f:
+            text = f.read()  # "desc:" lines at the top, "totals:" at the end
+        trigger = re.search(r"^desc: Trigger: dump (\S+)", text, re.MULTILINE)
+        total = re.search(r"^totals: (\d+)", text, re.MULTILINE)
+        if trigger and total and trigger.group(1).count(":") == 2:
+            case, depth, side = trigger.group(1).split(":")
+            counts[(case, depth, side)] = int(total.group(1))
+    return counts
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    child = _CHILD_FLAG in argv
+    if child:
+        argv.remove(_CHILD_FLAG)
+    args = h.parse_args(__doc__.splitlines()[0], argv, default_repeats=3)
+    width = 16 if args.quick else 256
+    samples = max(1, args.repeats)
+    if child:
+        _measure(args.quick, samples, width)
+        return
+
+    missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
+    notes = [
+        "instructions per trace (millions), counted by valgrind --tool=callgrind; "
+        f"{samples} sample(s) per cell, each a freshly built function; width {width}",
+        "baseline: plain JAX for dense and lora (as in trace_time.py), "
+        "one quaxify for nested (as in nested.py)",
+    ]
+    if missing:
+        h.print_header("instructions: trace cost counted, not timed", args, notes)
+        print(f"Not measured: {' and '.join(missing)} not found (Debian package `valgrind`).\n")
+        return
+
+    with tempfile.TemporaryDirectory(prefix="quaxlike-callgrind-") as directory:
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            f"--callgrind-out-file={os.path.join(directory, 'cg.out')}",
+            sys.executable,
+            os.path.abspath(__file__),
+            _CHILD_FLAG,
+            *argv,
+        ]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            print(result.stdout[-3000:] + result.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"the measuring process failed (exit {result.returncode})")
+        counts = _read_dumps(directory)
+
+    empty = [n for (case, _, _), n in counts.items() if case == "empty"]
+    overhead = statistics.median(empty) if empty else 0
+    h.print_header("instructions: trace cost counted, not timed", args, notes)
+    table = h.Table(
+        "Instructions per trace",
+        ["case", "depth", "baseline", "quaxlike", "ratio", "target (time)"],
+    )
+    for case, depth in _cases(args.quick):
+        base, quax = (
+            (counts[(case, str(depth), side)] - overhead) / samples
+            for side in ("baseline", "quaxlike")
+        )
+        ratio = quax / base
+        table.add(
+            case,
+            depth,
+            f"{base / 1e6:.2f} M",
+            f"{quax / 1e6:.2f} M",
+            f"{ratio:.3f}",
+            h.at_most(ratio, _TARGETS[case]),
+        )
+    table.print(
+        [
+            f"(each cell less {overhead / 1e6:.2f} M instructions: the cost of asking "
+            "callgrind for a dump, measured on empty segments)"
+        ]
+    )
+
+
+if __name__ == "__main__":
+    main()
