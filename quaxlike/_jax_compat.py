@@ -47,6 +47,23 @@ trace_ctx = _core.trace_ctx
 ArrayImpl = _array.ArrayImpl
 
 
+def _tracer_init_only_stores() -> bool:
+    # In jax 0.10.x `Tracer.__init__(self, trace, aval)` does nothing but store
+    # its two arguments.
+    code = Tracer.__init__.__code__
+    return code.co_names == ("_trace", "aval") and code.co_varnames[:3] == (
+        "self",
+        "trace",
+        "aval",
+    )
+
+
+# Whether a `Tracer` subclass may set `_trace` and `aval` itself instead of
+# calling `Tracer.__init__` (which costs a `super()` call per tracer); if a JAX
+# release makes `Tracer.__init__` do more, this is False and it is called.
+TRACER_INIT_ONLY_STORES = _tracer_init_only_stores()
+
+
 def register_tracer_class(cls: type) -> None:
     """Give `jax.typeof` its one-lookup path for instances of the `Tracer`
     subclass `cls` (the same answer, `x.aval`, without walking `cls.__mro__`
@@ -208,6 +225,11 @@ def with_varying_axes_of(aval, leaves):
         jax.sharding.get_abstract_mesh(), jax.sharding.PartitionSpec(*[None] * aval.ndim)
     )
     return aval.update(sharding=sharding, manual_axis_type=_core.ManualAxisType(varying=varying))
+
+
+# JAX's flag behind `tracking_varying_axes` (`.value` is its current setting),
+# for the hottest paths.
+check_vma_flag = _config._check_vma
 
 
 def tracking_varying_axes() -> bool:

@@ -65,14 +65,19 @@ class QuaxTracer(jc.Tracer):
     __slots__ = ("value",)
 
     def __init__(self, trace: "QuaxTrace", value: Value):
-        # `checked_aval`, inlined: every Value lifted or returned by a rule
-        # passes here.
+        # Every Value lifted or returned by a rule passes here, so the helpers
+        # are inlined: `checked_aval`, `jc.tracking_varying_axes` and (see
+        # `jc.TRACER_INIT_ONLY_STORES`) `Tracer.__init__`.
         aval = value.aval()
         if not isinstance(aval, jc.AbstractValue):
             aval = checked_aval(value)  # raises, naming the type
-        if jc.tracking_varying_axes():
+        if jc.check_vma_flag.value:
             aval = jc.with_varying_axes_of(aval, jax.tree_util.tree_leaves(value))
-        super().__init__(trace, aval)
+        if jc.TRACER_INIT_ONLY_STORES:
+            self._trace = trace
+            self.aval = aval
+        else:
+            super().__init__(trace, aval)
         self.value = value
 
     def full_lower(self):
