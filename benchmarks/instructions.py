@@ -18,7 +18,7 @@ dump, and the cost of requesting a dump (measured on empty segments) is
 subtracted. Without Valgrind the script says so and exits without measuring.
 
 Run: `python benchmarks/instructions.py [--quick] [--repeats N]` (repeats:
-samples per cell; about a minute per depth-32 cell under Valgrind).
+samples per cell, default 3, at most 5; three to four minutes in all).
 """
 
 import glob
@@ -34,6 +34,10 @@ import _harness as h
 
 
 _CHILD_FLAG = "--measure-under-valgrind"
+# Samples per cell at most, whatever `--repeats` says (`run_all.py` passes on the
+# timed scripts' 41): counts barely vary between samples, and each depth-32
+# sample costs seconds under Valgrind.
+_MAX_SAMPLES = 5
 _TARGETS = {"dense": 1.10, "lora": 1.10, "nested": 1.05}
 
 
@@ -132,7 +136,7 @@ def main(argv=None):
         argv.remove(_CHILD_FLAG)
     args = h.parse_args(__doc__.splitlines()[0], argv, default_repeats=3)
     width = 16 if args.quick else 256
-    samples = max(1, args.repeats)
+    samples = max(1, min(args.repeats, _MAX_SAMPLES))
     if child:
         _measure(args.quick, samples, width)
         return
