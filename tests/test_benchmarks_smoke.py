@@ -65,8 +65,13 @@ def test_run_all_quick():
 def test_instructions_quick():
     out = _run_quick("instructions")
     _assert_tables(out, ("### Instructions per trace",))
-    rows = out.split("### Instructions per trace", 1)[1].strip().splitlines()[2:5]
-    assert [row.split("|")[1].strip() for row in rows] == ["dense", "lora", "nested"]
+    rows = out.split("### Instructions per trace", 1)[1].strip().splitlines()[2:6]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "dense",
+        "lora",
+        "nested, Zero outer",
+        "nested, LoRA outer",
+    ]
     for row in rows:  # every count is a positive number of millions
         baseline, quaxlike = (
             float(cell.strip().removesuffix(" M")) for cell in row.split("|")[3:5]
