@@ -227,11 +227,6 @@ def with_varying_axes_of(aval, leaves):
     return aval.update(sharding=sharding, manual_axis_type=_core.ManualAxisType(varying=varying))
 
 
-# JAX's flag behind `tracking_varying_axes` (`.value` is its current setting),
-# for the hottest paths.
-check_vma_flag = _config._check_vma
-
-
 def tracking_varying_axes() -> bool:
     """Whether JAX is checking varying manual axes (inside a `shard_map` body)."""
     return bool(_config._check_vma.value)

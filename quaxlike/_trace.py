@@ -66,12 +66,12 @@ class QuaxTracer(jc.Tracer):
 
     def __init__(self, trace: "QuaxTrace", value: Value):
         # Every Value lifted or returned by a rule passes here, so the helpers
-        # are inlined: `checked_aval`, `jc.tracking_varying_axes` and (see
-        # `jc.TRACER_INIT_ONLY_STORES`) `Tracer.__init__`.
+        # are inlined: `checked_aval` and (see `jc.TRACER_INIT_ONLY_STORES`)
+        # `Tracer.__init__`.
         aval = value.aval()
         if not isinstance(aval, jc.AbstractValue):
             aval = checked_aval(value)  # raises, naming the type
-        if jc.check_vma_flag.value:
+        if jc.tracking_varying_axes():
             aval = jc.with_varying_axes_of(aval, jax.tree_util.tree_leaves(value))
         if jc.TRACER_INIT_ONLY_STORES:
             self._trace = trace
@@ -113,7 +113,7 @@ class QuaxTrace(jc.Trace):
         # rules generation `_generation`: (primitive, argument kinds) -> the
         # chosen rule's `jaxpr_of` (or None), and a dict from the id of each
         # sub-program seen to (the sub-program, its `_materialise_at_call`
-        # verdict). See `_call_plan`.
+        # verdict). See `_sub_program`.
         self._generation = rules_generation()
         self._plans: dict[tuple, tuple] = {}
 
@@ -180,41 +180,32 @@ class QuaxTrace(jc.Trace):
             out, rule = dispatch(primitive, values, params)
         return self._wrap_outputs(out, primitive, rule)
 
-    def _call_plan(self, primitive, values, kinds) -> tuple:
-        """What this trace knows about a call-like `primitive` applied to
-        `values` (of `kinds`): the chosen rule's `jaxpr_of` (`None` if that
-        rule does not inline) and the verdicts found so far, by id of the
-        sub-program (see `_call_sub_program`)."""
+    def _sub_program(self, primitive, values, params) -> tuple:
+        """For a call-like `primitive` applied to `values`: the `ClosedJaxpr`
+        that the rule dispatch would choose would inline (`None` if that rule
+        does not inline), the values' dispatch kinds, and the verdicts this
+        trace has found so far for that rule, by id of the sub-program (see
+        `_call_sub_program`)."""
         if self._generation != rules_generation():
             # A rule was registered while this trace ran.
             self._generation = rules_generation()
             self._plans.clear()
+        kinds = tuple(map(dispatch_kind, values))
         key = (primitive, kinds)
         plan = self._plans.get(key)
         if plan is None:
             jaxpr_of = _inlining_rules.get(chosen_rule(primitive, values, kinds))
             plan = self._plans[key] = (jaxpr_of, {})
-        return plan
-
-    def _sub_program(self, primitive, values, params):
-        """The `ClosedJaxpr` that the rule dispatch would choose for a call-like
-        `primitive` applied to `values` would inline, or `None` (the rule does
-        not inline, or another rule is chosen)."""
-        kinds = tuple(map(dispatch_kind, values))
-        jaxpr_of = self._call_plan(primitive, values, kinds)[0]
-        return None if jaxpr_of is None else jaxpr_of(params)
+        jaxpr_of, known_verdicts = plan
+        closed_jaxpr = None if jaxpr_of is None else jaxpr_of(params)
+        return closed_jaxpr, kinds, known_verdicts
 
     def _call_sub_program(self, primitive, tracers, values, params):
         """Apply a call-like `primitive` whose chosen rule would inline its
         sub-program (else `NotImplemented`): inline it, or, when every operation
         on a Value in it would only materialise that Value, materialise at the
         call and hand the call to the parent trace (see `_materialise_at_call`)."""
-        # `dispatch_kind` of each, inlined: this runs for every call on a Value.
-        kinds = tuple(
-            [(type(v), type(v.aval)) if isinstance(v, jc.Tracer) else type(v) for v in values]
-        )
-        jaxpr_of, known_verdicts = self._call_plan(primitive, values, kinds)
-        closed_jaxpr = None if jaxpr_of is None else jaxpr_of(params)
+        closed_jaxpr, kinds, known_verdicts = self._sub_program(primitive, values, params)
         if closed_jaxpr is None:
             return NotImplemented
         # Verdicts already looked up by this trace: one dict hit per call. The
@@ -357,7 +348,7 @@ class QuaxTrace(jc.Trace):
         chosen rule inlines its sub-program is evaluated in this trace."""
         jaxpr = None
         if primitive in _inlinable_primitives and not self.eager:
-            jaxpr = self._sub_program(primitive, values, params)
+            jaxpr = self._sub_program(primitive, values, params)[0]
         recorder = _instrument.recorder.get()
         record = recorder.open(primitive, values) if recorder is not None else None
         try:

@@ -319,12 +319,6 @@ def _materialise_as(value: Value, aval: jc.AbstractValue, primitive) -> Any:
     if getattr(out, "aval", None) is aval:
         # The very abstract value promised (a field handed back as it is).
         return out
-    return _checked_materialisation(value, out, aval, primitive)
-
-
-def _checked_materialisation(value: Value, out: Any, aval: jc.AbstractValue, primitive) -> Any:
-    """`_materialise_as` given what `value.materialise()` returned: follow
-    chains of Values, then check the result against `aval`."""
     depth = 0
     while is_value(out):
         depth += 1
@@ -387,12 +381,7 @@ def materialise_unreported(
     try:
         if aval is None:
             return materialise_value(value, primitive)
-        # `_materialise_as`, inlined: this runs once per operation on a Value
-        # that no rule handles.
-        out = value.materialise()
-        if getattr(out, "aval", None) is aval:
-            return out
-        return _checked_materialisation(value, out, aval, primitive)
+        return _materialise_as(value, aval, primitive)
     except QuaxlikeError:
         raise
     except Exception as error:
