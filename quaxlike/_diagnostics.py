@@ -9,20 +9,19 @@ consistently and can be reviewed in one place.
 class QuaxlikeError(Exception):
     """Base class of the errors quaxlike raises about how it is used.
 
-    Raised directly for mistakes such as an unannotated rule argument, a Value no
-    `quaxify` lifted, or a rule that returned the wrong abstract value in checked
-    mode; `AmbiguousRuleError` and `MaterialisationError` are subclasses. Each
-    message names the type, primitive and value involved, and the way out.
+    Raised directly for mistakes such as a Value no `quaxify` lifted, a rule
+    that returned a list for a primitive with one result, or a rule that returned
+    the wrong abstract value in checked mode; `AmbiguousRuleError` and
+    `MaterialisationError` are subclasses. Each message names the type, primitive
+    and value involved, and the way out.
 
     !!! example
 
         ```python
         try:
-            @quaxlike.register(jax.lax.sin_p)
-            def sin_p_anything(x, **params):  # no annotation to dispatch on
-                return x
+            quaxlike.register("mull")  # a typo for "mul"
         except quaxlike.QuaxlikeError as error:
-            print(error)  # ... has a positional argument `x` with no type annotation ...
+            print(error)  # ... no primitive called 'mull' ... such as: 'add', 'mul', ...
         ```
     """
 
@@ -97,9 +96,11 @@ class messages:
     )
     UNANNOTATED_RULE_ARGUMENT = (
         "The rule `{rule}` registered for `{primitive}` has a positional argument "
-        "`{arg}` with no type annotation. Rules are chosen by the types of their "
-        "positional arguments, so each needs one: use a Value subclass, "
-        "`jaxtyping.ArrayLike`, or a union such as `ArrayLike | quaxlike.ArrayValue`."
+        "`{arg}` with no type annotation, so it matches an argument of any type (as in "
+        "plum and Quax). Rules are chosen by the types of their positional arguments: "
+        "if the rule is meant for particular types, annotate `{arg}` with a Value "
+        "subclass, `jaxtyping.ArrayLike`, or a union such as "
+        "`ArrayLike | quaxlike.ArrayValue`. (This warning appears in checked mode only.)"
     )
     RULE_NOT_CALLABLE = "`quaxlike.register({primitive})` must decorate a function; got {got!r}."
     AMBIGUOUS = (

@@ -9,13 +9,14 @@ methods match and which is more specific, and cache the resulting chain of rules
 """
 
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast, TypeVar
 
 import jax
 import plum
 
-from . import _jax_compat as jc
+from . import _instrument, _jax_compat as jc
 from ._diagnostics import AmbiguousRuleError, messages, QuaxlikeError
 from ._values import Value
 
@@ -59,7 +60,14 @@ def _as_primitives(primitive) -> list[jc.Primitive]:
     )
 
 
-def _check_rule_annotations(rule: Callable, primitive: jc.Primitive) -> None:
+def _warn_unannotated(rule: Callable, primitive: jc.Primitive) -> None:
+    """In checked mode, point out positional arguments with no annotation.
+
+    They are accepted, as plum (and so Quax) accepts them: such an argument
+    matches any type. The warning is guidance only, since a rule meant for one
+    type that matches every type is a common slip."""
+    if not _instrument.checking.get():
+        return
     try:
         signature = inspect.signature(rule)
     except (TypeError, ValueError):  # builtins and the like: let plum judge
@@ -71,12 +79,14 @@ def _check_rule_annotations(rule: Callable, primitive: jc.Primitive) -> None:
     )
     for parameter in signature.parameters.values():
         if parameter.kind in positional and parameter.annotation is inspect.Parameter.empty:
-            raise QuaxlikeError(
+            warnings.warn(
                 messages.UNANNOTATED_RULE_ARGUMENT.format(
                     rule=getattr(rule, "__qualname__", rule),
                     primitive=primitive.name,
                     arg=parameter.name,
-                )
+                ),
+                UserWarning,
+                stacklevel=4,
             )
 
 
@@ -158,7 +168,7 @@ def register(primitive, *, precedence: int = 0) -> Callable[[_Rule], _Rule]:
             )
         for prim in primitives:
             for implementation in implementations:
-                _check_rule_annotations(implementation, prim)
+                _warn_unannotated(implementation, prim)
                 _dispatcher_for(prim).register(implementation, precedence=precedence)
         _resolution_cache.clear()
         _generation[0] += 1

@@ -4,6 +4,7 @@ Registrations are global and persist for the whole session, so every test define
 its own Value subclasses and only registers rules that mention them.
 """
 
+import warnings
 from typing import Any
 
 import equinox as eqx
@@ -175,30 +176,44 @@ def test_register_non_callable():
         quaxlike.register(jax.lax.sin_p)(3)
 
 
-def test_unannotated_positional_argument():
+def test_unannotated_positional_argument_matches_anything():
+    # As in plum (and so Quax): an unannotated positional argument matches an
+    # argument of any type. Checked mode (on for this suite) points it out.
     class A(_Box):
         pass
 
-    def rule(x: A, y, **params):
-        return x
+    def mul_p_a_anything(x: A, y, **params):
+        return A(x.array * 10 * (y.array if isinstance(y, A) else y))
 
-    with pytest.raises(quaxlike.QuaxlikeError) as info:
-        quaxlike.register(jax.lax.mul_p)(rule)
-    message = str(info.value)
-    assert "`y`" in message and "mul" in message and "rule" in message
-    assert not _has_rule(jax.lax.mul_p, rule)
+    with pytest.warns(UserWarning, match=r"(?s)mul_p_a_anything.*`mul`.*`y` with no type"):
+        quaxlike.register(jax.lax.mul_p)(mul_p_a_anything)
+    assert _has_rule(jax.lax.mul_p, mul_p_a_anything)
+    x = _x()
+    for other in (jnp.full(x.shape, 2.0), A(jnp.full(x.shape, 2.0))):
+        out = quaxlike.quaxify(lambda a, b: a * b)(A(x), other)
+        assert isinstance(out, A)
+        assert jnp.array_equal(out.array, x * 20.0)
 
+    # Without checked mode, nothing is said.
     def varargs_rule(*args, **params):
         return NotImplemented
 
-    with pytest.raises(quaxlike.QuaxlikeError, match="args"):
-        quaxlike.register(jax.lax.mul_p)(varargs_rule)
+    token = quaxlike._instrument.checking.set(False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            quaxlike.register(jax.lax.mul_p)(varargs_rule)
+    finally:
+        quaxlike._instrument.checking.reset(token)
+    assert _has_rule(jax.lax.mul_p, varargs_rule)
 
-    # Unannotated keyword-only params are fine: they are not dispatched on.
+    # Unannotated keyword-only params are not dispatched on: no warning.
     def ok_rule(x: A, y: A, *, extra=None, **params):
         return NotImplemented
 
-    assert quaxlike.register(jax.lax.mul_p)(ok_rule) is ok_rule
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert quaxlike.register(jax.lax.mul_p)(ok_rule) is ok_rule
 
 
 def test_rule_receives_params_as_keywords():
