@@ -3,7 +3,14 @@
 Messages say what went wrong (naming the type, the primitive and the value
 involved) and then how to get out of it. They live here so they read
 consistently and can be reviewed in one place.
+
+Where Quax raises a builtin exception for the same mistake, ours is also an
+instance of that builtin, so code written for Quax catches it unchanged.
 """
+
+import inspect
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 
 class QuaxlikeError(Exception):
@@ -32,7 +39,8 @@ class AmbiguousRuleError(QuaxlikeError, LookupError):
     The message lists the matching rules with their signatures, precedences and
     source locations, and three ways out: nest `quaxify` calls with different
     `filter_spec`s, give one rule a higher `precedence`, or register a rule for
-    exactly that combination of types. Also a `LookupError`.
+    exactly that combination of types. Also a `LookupError`, as plum's
+    ambiguity error (which Quax raises) is.
 
     !!! example
 
@@ -59,13 +67,14 @@ class AmbiguousRuleError(QuaxlikeError, LookupError):
     """
 
 
-class MaterialisationError(QuaxlikeError):
+class MaterialisationError(QuaxlikeError, RuntimeError):
     """A Value could not be materialised where a primitive needed it.
 
     Raised when a primitive has no rule for a Value's type and the type refuses to
     become dense (its `materialise()` raised: the message then shows the rule to
     register), and under `materialise_policy("error")` whenever a Value would fall
-    back to being dense.
+    back to being dense. Also a `RuntimeError`, which Quax's types raise when they
+    refuse to materialise.
 
     !!! example
 
@@ -81,9 +90,80 @@ class MaterialisationError(QuaxlikeError):
     """
 
 
+class ConflictingDefaultsError(QuaxlikeError, TypeError):
+    """A primitive has no rule for its argument types, and more than one of
+    them overrides `Value.default`. Also a `TypeError`, as in Quax.
+
+    The message names each type (with its module, or an id where two types share
+    a name) and the ways out: register a rule for that combination, or nest
+    `quaxify` calls so that each trace sees one of the types.
+    """
+
+
+class JaxCompatibilityError(QuaxlikeError, RuntimeError):
+    """The installed JAX lacks an internal that quaxlike needs for what was asked.
+
+    Raised only when the missing piece is actually used (never at
+    `import quaxlike`), naming the JAX version, the range of JAX releases
+    quaxlike is tested with, and what is missing.
+    """
+
+
+def type_labels(types: Iterable[type]) -> list[str]:
+    """A readable label per type: its qualified name, with its module where two
+    types share a name, and an id where they share that too."""
+    types = list(types)
+    labels = [t.__qualname__ for t in types]
+    for i, t in enumerate(types):
+        clashes = [u for u in types if u is not t and u.__qualname__ == t.__qualname__]
+        if not clashes:
+            continue
+        label = f"{t.__module__}.{t.__qualname__}"
+        if any(u.__module__ == t.__module__ for u in clashes):
+            label += f" (class at {id(t):#x})"
+        labels[i] = label
+    return labels
+
+
+def rule_name(rule, *, qualified: bool = True) -> str:
+    """A rule's name for messages: `module.qualname` (or just the qualified
+    name) of its implementation; `rule` is a plum method, a function, or `None`
+    for the default."""
+    if rule is None:
+        return "the default"
+    implementation = getattr(rule, "implementation", rule)
+    name = getattr(implementation, "__qualname__", repr(implementation))
+    module = getattr(implementation, "__module__", None)
+    return f"{module}.{name}" if module and qualified else name
+
+
+def rule_location(rule) -> str:
+    """`file:line` where a rule (a plum method or a function) is defined."""
+    if rule is None:
+        return "quaxlike"
+    implementation = inspect.unwrap(getattr(rule, "implementation", rule))
+    try:
+        filename = inspect.getsourcefile(implementation)
+        _, line = inspect.getsourcelines(implementation)
+    except (TypeError, OSError):
+        return "unknown location"
+    return f"{filename}:{line}"
+
+
+def value_type_names(values: Sequence[Any]) -> str:
+    """The types of `values`, comma separated, told apart where names clash."""
+    return ", ".join(type_labels([type(v) for v in values]))
+
+
 class messages:
     """Namespace of message templates (formatted with `str.format`)."""
 
+    JAX_INTERNAL_MISSING = (
+        "quaxlike needs {what} for {needed_for}, and jax {version} does not provide "
+        "it. quaxlike is tested with jax {low} to {high}. Install a JAX release in "
+        "that range (`pip install 'jax>={low},<={high}'`), or report this JAX "
+        "release to quaxlike so that it can be supported."
+    )
     UNKNOWN_PRIMITIVE_NAME = (
         "`quaxlike.register({name!r})`: there is no primitive called {name!r} in "
         "`jax.lax` or `jax.extend.core.primitives`. Pass the primitive object itself "

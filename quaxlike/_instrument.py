@@ -7,13 +7,9 @@ ordinary fast path.
 """
 
 import contextvars
-import inspect
-from typing import Any
-
-import jax
 
 from . import _config
-from ._diagnostics import messages, QuaxlikeError
+from ._diagnostics import messages, QuaxlikeError, rule_location, rule_name
 
 
 checking: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -26,41 +22,6 @@ recorder: contextvars.ContextVar["Recorder | None"] = contextvars.ContextVar(
 
 def active() -> bool:
     return checking.get() or recorder.get() is not None
-
-
-# --- describing rules and types -----------------------------------------------
-
-
-def rule_name(rule) -> str:
-    implementation = getattr(rule, "implementation", rule)
-    module = getattr(implementation, "__module__", None)
-    name = getattr(implementation, "__qualname__", repr(implementation))
-    return f"{module}.{name}" if module else name
-
-
-def rule_location(rule) -> str:
-    implementation = inspect.unwrap(getattr(rule, "implementation", rule))
-    try:
-        filename = inspect.getsourcefile(implementation)
-        _, line = inspect.getsourcelines(implementation)
-    except (TypeError, OSError):
-        return "unknown location"
-    return f"{filename}:{line}"
-
-
-def describe(x: Any) -> str:
-    """`LoraArray[f32[4,3]]` for a Value, `f32[4,3]` for an array."""
-    from ._values import Value
-
-    if isinstance(x, Value):
-        try:
-            return f"{type(x).__qualname__}[{x.aval().str_short()}]"
-        except Exception:
-            return type(x).__qualname__
-    try:
-        return jax.typeof(x).str_short()
-    except TypeError:
-        return type(x).__qualname__
 
 
 # --- explain's recorder ---------------------------------------------------------
@@ -97,7 +58,9 @@ class Recorder:
 
     def open(self, primitive, values) -> Record:
         inside = self._open[-1].primitive if self._open else None
-        record = Record(primitive.name, tuple(describe(v) for v in values), inside)
+        from ._values import describe  # (_values imports this module)
+
+        record = Record(primitive.name, tuple(map(describe, values)), inside)
         (self._open[-1].children if self._open else self.records).append(record)
         self._open.append(record)
         return record
@@ -152,8 +115,8 @@ def check_outputs(primitive, in_avals, params, out_avals, rule) -> None:
     if problem is not None:
         raise QuaxlikeError(
             messages.CHECK_FAILED.format(
-                rule=rule_name(rule) if rule is not None else "the default",
-                location=rule_location(rule) if rule is not None else "quaxlike",
+                rule=rule_name(rule),
+                location=rule_location(rule),
                 primitive=primitive.name,
                 inputs=", ".join(_aval_text(a) for a in in_avals),
                 problem=problem,

@@ -124,7 +124,7 @@ _unchecked_traces: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 )
 
 
-def call_lifted(
+def _run_in_new_trace(
     leaves, treedef, static, adopts: tuple[QuaxTrace, ...] = (), selected: list | None = None
 ):
     """Run `(fn, args, kwargs)`, given as flattened `leaves`, in a new `QuaxTrace`
@@ -174,7 +174,7 @@ def _call(fn, filter_spec, args, kwargs):
         if not lifting:
             # Nothing to lift: exactly the function itself, at no cost.
             return fn(*args, **kwargs)
-        return call_lifted(leaves, treedef, static, selected=selected)
+        return _run_in_new_trace(leaves, treedef, static, selected=selected)
     except TypeError as error:
         better = _unlifted_value_error(error) or _concrete_value_error(error)
         if better is None:
@@ -188,13 +188,18 @@ def _is_single_leaf(x) -> bool:
     return jtu.treedef_is_leaf(jtu.tree_structure(x))
 
 
-def lifted_call(fn: Callable[..., _Return], *args: Any) -> _Return:
+def lifted_call(
+    fn: Callable[..., _Return], *args: Any, adopts: tuple[QuaxTrace, ...] = ()
+) -> _Return:
     """`quaxify(fn)(*args)` for quaxlike's own rules: the same trace, without
-    building a `Quaxify` wrapper (an Equinox Module) on every call."""
+    building a `Quaxify` wrapper (an Equinox Module) on every call. With
+    `adopts`, the new trace takes over the tracers of those enclosing traces
+    (for `shard_map` bodies: see `QuaxTrace`), and runs even with no Value
+    among `args`."""
     leaves, treedef = jtu.tree_flatten((fn, args, {}), is_leaf=is_value)
-    if not any(map(is_value, leaves)):
+    if not adopts and not any(map(is_value, leaves)):
         return fn(*args)
-    return call_lifted(leaves, treedef, None)
+    return _run_in_new_trace(leaves, treedef, None, adopts)
 
 
 class Quaxify(eqx.Module, Generic[_Return]):

@@ -4,8 +4,16 @@ Lookup is done here rather than by calling the plum `Function`, for two reasons:
 plum caches nothing when a signature uses `ArrayLike` (an "unfaithful" type, see
 JAX-INTERNALS §5), and rules may return `NotImplemented` to hand over to the next
 applicable rule, which plum has no notion of. So we ask plum's `Signature`s which
-methods match and which is more specific, and cache the resulting chain of rules per
+methods match and which is more specific, and cache the result as a `Plan` per
 (primitive, argument kinds) until the next `register`.
+
+A `Plan` is everything the trace (and every shortcut beside it) needs to know
+about one primitive applied to one combination of argument kinds: the matching
+rules in order, the `default` that ends the chain, whether the chosen rule only
+runs a sub-program (so the trace may run it in place), and whether dispatch
+would do nothing but materialise. Nothing outside this module predicts what
+dispatch will do; it reads the plan. Caches elsewhere that depend on the rules
+subscribe with `on_rules_changed`.
 """
 
 import inspect
@@ -17,7 +25,16 @@ import jax
 import plum
 
 from . import _instrument, _jax_compat as jc
-from ._diagnostics import AmbiguousRuleError, messages, QuaxlikeError
+from ._diagnostics import (
+    AmbiguousRuleError,
+    ConflictingDefaultsError,
+    messages,
+    QuaxlikeError,
+    rule_location,
+    rule_name,
+    type_labels,
+    value_type_names,
+)
 from ._values import Value
 
 
@@ -25,16 +42,24 @@ _Rule = TypeVar("_Rule", bound=Callable[..., Any])
 
 # One plum Function per primitive holds the registered rules.
 _dispatchers: dict[jc.Primitive, plum.Function] = {}
-# (primitive, argument kinds) -> _Resolution
-_resolution_cache: dict[tuple, "_Resolution"] = {}
-# Bumped by every `register`: caches of anything traced with the rules (the
-# compiled bodies of the `jit` rule) include it in their keys.
-_generation = [0]
+# (primitive, *argument kinds) -> Plan
+_plans: dict[tuple, "Plan"] = {}
+# Called with no arguments after every `register`.
+_subscribers: list[Callable[[], None]] = []
 
 
-def rules_generation() -> int:
-    """A number that changes whenever a rule is registered."""
-    return _generation[0]
+def on_rules_changed(callback: Callable[[], None]) -> Callable[[], None]:
+    """Call `callback()` whenever a rule is registered, for caches of anything
+    that depends on the rules (plans, verdicts, compiled programs). Returns
+    `callback`, so it can be used as a decorator."""
+    _subscribers.append(callback)
+    return callback
+
+
+def _rules_changed() -> None:
+    _plans.clear()
+    for callback in _subscribers:
+        callback()
 
 
 _COMMUTATIVE_NAMES = frozenset(
@@ -170,8 +195,7 @@ def register(primitive, *, precedence: int = 0) -> Callable[[_Rule], _Rule]:
             for implementation in implementations:
                 _warn_unannotated(implementation, prim)
                 _dispatcher_for(prim).register(implementation, precedence=precedence)
-        _resolution_cache.clear()
-        _generation[0] += 1
+        _rules_changed()
         return cast(_Rule, rule)
 
     return decorator
@@ -215,24 +239,12 @@ def dispatch_kind(x) -> Any:
     return type(x)
 
 
-def _method_name(method: plum.Method) -> str:
-    implementation = method.implementation
-    name = getattr(implementation, "__qualname__", repr(implementation))
-    module = getattr(implementation, "__module__", None)
-    return f"{module}.{name}" if module else name
-
-
 def _describe(method: plum.Method) -> str:
-    try:
-        code = method.implementation.__code__
-        location = f"{code.co_filename}:{code.co_firstlineno}"
-    except AttributeError:
-        location = "<unknown location>"
-    return f"  - {_method_name(method)} {method.signature} (precedence {method.signature.precedence}), at {location}"
-
-
-def _type_names(values: Sequence[Any]) -> str:
-    return ", ".join(type(v).__qualname__ for v in values)
+    signature = method.signature
+    return (
+        f"  - {rule_name(method)} {signature} (precedence {signature.precedence}), "
+        f"at {rule_location(method)}"
+    )
 
 
 def _best(methods: list[plum.Method], values: tuple, primitive: jc.Primitive):
@@ -259,7 +271,7 @@ def _best(methods: list[plum.Method], values: tuple, primitive: jc.Primitive):
         messages.AMBIGUOUS.format(
             primitive=primitive.name,
             primitive_expression=_expression_for(primitive),
-            types=_type_names(values),
+            types=value_type_names(values),
             candidates="\n".join(_describe(c) for c in candidates),
         )
     )
@@ -292,16 +304,80 @@ def _default_owner(cls: type) -> type:
     return Value
 
 
-class _Resolution:
-    __slots__ = ("chain", "default")
+def sub_program_rule(jaxpr_of: Callable[[dict], tuple]) -> Callable[[_Rule], _Rule]:
+    """Mark a rule as one that runs a sub-program held in its primitive's params
+    (`jit`, `closed_call`): `jaxpr_of(params)` gives `(closed_jaxpr, inlines)`,
+    the sub-program and whether the rule runs it in place (as JAX inlines
+    `jax.numpy`'s `jit`s), or `(None, False)` when the rule does something else
+    for these params. The trace may then run the sub-program's equations itself
+    instead of calling the rule (see `_sub_programs`)."""
+
+    def mark(rule: _Rule) -> _Rule:
+        rule.__quaxlike_sub_program__ = jaxpr_of  # pyright: ignore[reportFunctionMemberAccess]
+        return rule
+
+    return mark
+
+
+class Plan:
+    """What dispatch does for one primitive and one combination of argument kinds.
+
+    - `chain`: `(method, swapped)` pairs, most specific first (`swapped` for a
+        commutative primitive's rule matched with its two arguments swapped);
+        an exception in it is raised when reached (an ambiguity).
+    - `default`: what runs when every rule in the chain hands over: a type's own
+        `default`, `Value.default` (materialise and bind), or a function raising
+        `ConflictingDefaultsError`.
+    - `sub_program`: the chosen rule's `jaxpr_of(params) -> (closed_jaxpr,
+        inlines)` (see `sub_program_rule`), or `None`.
+    - `only_materialises`: no rule matches and the default is `Value.default`.
+    """
+
+    __slots__ = ("chain", "default", "sub_program", "only_materialises")
 
     def __init__(self, chain: list, default: Callable):
-        # `chain` holds (method, swapped) pairs, or an exception to raise.
-        self.chain = chain
+        self.chain = tuple(chain)
         self.default = default
+        first = chain[0] if chain else None
+        self.sub_program = (
+            getattr(first[0].implementation, "__quaxlike_sub_program__", None)
+            if isinstance(first, tuple)
+            else None
+        )
+        self.only_materialises = not chain and default is Value.default
+
+    @property
+    def rule(self) -> Callable | None:
+        """The implementation of the rule tried first, or `None`."""
+        first = self.chain[0] if self.chain else None
+        return first[0].implementation if isinstance(first, tuple) else None
+
+    def apply(
+        self, primitive: jc.Primitive, values: tuple, params: dict, *, name_scopes: bool = False
+    ):
+        """Run the chain on `values`, then the default: `(output, method)`, with
+        `method` `None` when the default produced the output. With
+        `name_scopes`, each rule runs in a `jax.named_scope` carrying its name,
+        so the equations it emits say where they came from (for `explain`)."""
+        for entry in self.chain:
+            if isinstance(entry, Exception):
+                raise entry
+            method, swapped = entry
+            args = values[::-1] if swapped else values
+            if name_scopes:
+                with jax.named_scope(_scope_name(method.implementation)):
+                    out = method.implementation(*args, **params)
+            else:
+                out = method.implementation(*args, **params)
+            if out is not NotImplemented:
+                return out, method
+        if name_scopes:
+            with jax.named_scope(_scope_name(self.default)):
+                return self.default(primitive, values, params), None
+        return self.default(primitive, values, params), None
 
 
-def _resolve(primitive: jc.Primitive, values: tuple) -> _Resolution:
+def _make_plan(primitive: jc.Primitive, values: tuple) -> Plan:
     function = _dispatchers.get(primitive)
     methods = [] if function is None else list(function.methods)
     chain: list = [
@@ -321,11 +397,11 @@ def _resolve(primitive: jc.Primitive, values: tuple) -> _Resolution:
             if owner is not Value:
                 owners.setdefault(vars(owner)["default"], owner)
     if len(owners) > 1:
-        error = QuaxlikeError(
+        error = ConflictingDefaultsError(
             messages.CONFLICTING_DEFAULTS.format(
                 primitive=primitive.name,
-                types=_type_names(values),
-                owners=", ".join(o.__qualname__ for o in owners.values()),
+                types=value_type_names(values),
+                owners=", ".join(type_labels(owners.values())),
             )
         )
 
@@ -336,36 +412,18 @@ def _resolve(primitive: jc.Primitive, values: tuple) -> _Resolution:
         default = owner.default
     else:
         default = Value.default
-    return _Resolution(chain, default)
+    return Plan(chain, default)
 
 
-def _resolution(primitive: jc.Primitive, values: tuple, kinds: tuple | None = None) -> _Resolution:
+def plan_for(primitive: jc.Primitive, values: Sequence[Any], kinds: tuple | None = None) -> Plan:
+    """The `Plan` for `primitive` applied to `values` (whose `dispatch_kind`s
+    are `kinds`, when already known). Cached until the next `register`."""
     key = (primitive, *(map(dispatch_kind, values) if kinds is None else kinds))
     try:
-        return _resolution_cache[key]
+        return _plans[key]
     except KeyError:
-        resolution = _resolution_cache[key] = _resolve(primitive, values)
-        return resolution
-
-
-def chosen_rule(
-    primitive: jc.Primitive, values: Sequence[Any], kinds: tuple | None = None
-) -> Callable | None:
-    """The implementation of the rule `dispatch` would try first for `values`
-    (whose `dispatch_kind`s are `kinds`, when known), or `None` (no rule, or an
-    ambiguity that `dispatch` will report)."""
-    chain = _resolution(primitive, tuple(values), kinds).chain
-    if not chain or isinstance(chain[0], Exception):
-        return None
-    return chain[0][0].implementation
-
-
-def falls_back_to_materialising(primitive: jc.Primitive, values: Sequence[Any]) -> bool:
-    """Whether `dispatch` would go straight to `Value.default` (materialise every
-    Value and bind) for `values`: no rule matches and no type overrides
-    `default`. Depends only on the kinds of `values` and the registered rules."""
-    resolution = _resolution(primitive, tuple(values))
-    return not resolution.chain and resolution.default is Value.default
+        plan = _plans[key] = _make_plan(primitive, tuple(values))
+        return plan
 
 
 def dispatch(
@@ -375,42 +433,25 @@ def dispatch(
     *,
     name_scopes: bool = False,
 ):
-    """Apply `primitive` to `values` using the registered rules.
+    """Apply `primitive` to `values` using the registered rules: `(output,
+    method)`, as `Plan.apply`.
 
     Order: the matching rules, most specific first (a rule returning
     `NotImplemented` hands over to the next); then the single overridden
-    `default` among the Values' types; then materialise and bind. With
-    `name_scopes`, each rule runs in a `jax.named_scope` carrying its name, so
-    the equations it emits say where they came from (used by `explain`).
+    `default` among the Values' types; then materialise and bind.
     """
     values = tuple(values)
-    resolution = _resolution(primitive, values)
-    for entry in resolution.chain:
-        if isinstance(entry, Exception):
-            raise entry
-        method, swapped = entry
-        args = values[::-1] if swapped else values
-        if name_scopes:
-            with jax.named_scope(_scope_name(method.implementation)):
-                out = method.implementation(*args, **params)
-        else:
-            out = method.implementation(*args, **params)
-        if out is not NotImplemented:
-            return out, method
-    if name_scopes:
-        with jax.named_scope(_scope_name(resolution.default)):
-            return resolution.default(primitive, values, params), None
-    return resolution.default(primitive, values, params), None
+    return plan_for(primitive, values).apply(primitive, values, params, name_scopes=name_scopes)
 
 
 def _scope_name(fn) -> str:
-    return "quaxlike:" + getattr(fn, "__qualname__", "rule").replace("<locals>.", "")
+    return "quaxlike:" + rule_name(fn, qualified=False).replace("<locals>.", "")
 
 
 def default_description(primitive: jc.Primitive, values: Sequence[Any]) -> str:
     """Which `default` handled `primitive` on `values`: `Value.default` (which
     materialises) or a type's own override."""
-    default = _resolution(primitive, tuple(values)).default
+    default = plan_for(primitive, values).default
     if default is Value.default:
         return "default"
     return "default of " + getattr(default, "__qualname__", "a Value type").rsplit(".", 1)[0]

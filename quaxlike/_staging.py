@@ -1,17 +1,18 @@
 """Programs traced once and reused: a function of Values and arrays run as a
-`jax.jit` over the array leaves of its arguments, for the `jit` rule's compiled
-bodies and for rules marked with `cached_rule`."""
+`jax.jit` over the array leaves of its arguments. `CompiledCalls` is the one
+cache of such calls; the `jit` rule's compiled bodies and `cached_rule` each
+hold one."""
 
 import functools as ft
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
 from . import _instrument, _jax_compat as jc, _policy
-from ._rules import rules_generation
+from ._rules import on_rules_changed
 
 
 _Rule = TypeVar("_Rule", bound=Callable[..., Any])
@@ -23,14 +24,45 @@ _Rule = TypeVar("_Rule", bound=Callable[..., Any])
 _array_types: dict[Callable, dict[type, bool]] = {}
 
 
-def split_arrays(
-    tree, is_array: Callable[[Any], bool] = eqx.is_array
-) -> tuple[list, tuple, Any, tuple]:
-    """The array leaves of `tree`, their positions among all its leaves, its
-    structure, and its other leaves (`None` where an array was): what crosses a
-    JAX transformation, and what is closed over. `join_arrays` undoes it.
-    `is_array` says which leaves count as arrays; its answer must depend on the
-    leaf's type only."""
+class SplitTree(NamedTuple):
+    """A PyTree taken apart by `split_arrays`: what crosses a JAX
+    transformation (`arrays`) and what is closed over (the rest)."""
+
+    arrays: list
+    positions: tuple  # the indices of `arrays` among all the leaves
+    treedef: Any
+    others: tuple  # every leaf, with `None` where an array was
+
+    def join(self, arrays) -> Any:
+        """The tree with `arrays` as its array leaves."""
+        leaves = list(self.others)
+        for i, array in zip(self.positions, arrays):
+            leaves[i] = array
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+    def structure(self) -> "SplitTree":
+        """This split without its arrays (which may be tracers that must not
+        be kept), for `join`ing other arrays into the same tree later."""
+        return self._replace(arrays=[])
+
+    def key(self) -> tuple:
+        """What a program traced on this tree depends on besides its params:
+        the structure and non-array leaves, the avals of the array leaves, and
+        checked mode. May hold unhashable leaves: hash it before use. Raises
+        `TypeError` or `OverflowError` for an array leaf JAX cannot represent
+        (a Python int too large), as `jax.typeof` does."""
+        return (
+            self.treedef,
+            self.positions,
+            self.others,
+            tuple(map(jc.aval_key, self.arrays)),
+            _instrument.checking.get(),
+        )
+
+
+def split_arrays(tree, is_array: Callable[[Any], bool] = eqx.is_array) -> SplitTree:
+    """Take `tree` apart into its array leaves and the rest. `is_array` says
+    which leaves count as arrays; its answer must depend on the leaf's type."""
     leaves, treedef = jtu.tree_flatten(tree)
     known = _array_types.get(is_array)
     if known is None:
@@ -44,69 +76,61 @@ def split_arrays(
             arrays.append(leaf)
             positions.append(i)
             leaves[i] = None
-    return arrays, tuple(positions), treedef, tuple(leaves)
-
-
-def join_arrays(arrays, positions, treedef, others):
-    """The tree `split_arrays` took apart, with `arrays` as its array leaves."""
-    leaves = list(others)
-    for i, array in zip(positions, arrays):
-        leaves[i] = array
-    return jtu.tree_unflatten(treedef, leaves)
-
-
-def _aval_key(x) -> Any:
-    # What `jax.typeof(x)` says, as a key: a concrete array carries its aval
-    # (without the sharding, which `typeof` folds in) and its sharding as plain
-    # attributes, which is a tenth of the cost.
-    if type(x) is jc.ArrayImpl:
-        return x.aval, x.sharding
-    return jax.typeof(x)
-
-
-def staging_key(arrays, positions, treedef, others) -> tuple:
-    """What a staged call's program depends on besides its params: the
-    arguments' structure and non-array leaves, the avals of their array
-    leaves, the registered rules (their generation) and checked mode. May hold
-    unhashable leaves: hash it before use. Raises `TypeError` or
-    `OverflowError` for an array leaf JAX cannot represent (a Python int too
-    large), as `jax.typeof` does."""
-    return (
-        treedef,
-        positions,
-        others,
-        tuple(map(_aval_key, arrays)),
-        rules_generation(),
-        _instrument.checking.get(),
-    )
+    return SplitTree(arrays, tuple(positions), treedef, tuple(leaves))
 
 
 class StagedCall:
     """`fn(*args)` as one `jax.jit` over the array leaves of `args`, for one
-    structure and set of non-array leaves of the arguments (`split_arrays`).
+    structure and set of non-array leaves of the arguments (a `SplitTree`).
 
     Its owner keys it on the avals of the array leaves too, so it is traced
     once and the structure of its output, recorded then, never changes.
     """
 
-    def __init__(self, fn: Callable, name: str, positions, treedef, others, *, inline=False):
-        self.out_structure: list = []
+    def __init__(self, fn: Callable, name: str, split: SplitTree, **jit_options):
+        self.out_split: SplitTree | None = None
+        structure = split.structure()
 
         def run(*arrays):
-            out = fn(*join_arrays(arrays, positions, treedef, others))
-            out_arrays, *self.out_structure = split_arrays(out)
-            return out_arrays
+            out_split = split_arrays(fn(*structure.join(arrays)))
+            self.out_split = out_split.structure()
+            return out_split.arrays
 
         run.__name__ = run.__qualname__ = name
-        self.jitted = jax.jit(run, inline=inline)
+        self.jitted = jax.jit(run, **jit_options)
 
     def __call__(self, arrays):
-        return join_arrays(self.jitted(*arrays), *self.out_structure)
+        out_arrays = self.jitted(*arrays)
+        return self.out_split.join(out_arrays)  # pyright: ignore[reportOptionalMemberAccess]
 
 
-# Staged calls per cached rule are dropped all at once past this many (a rule
-# applied to ever new shapes must not grow without bound).
-_MAX_CACHED_PER_RULE = 1024
+class CompiledCalls:
+    """A cache of `StagedCall`s by key. A compiled call runs the rules as they
+    were when it was traced, so every cache is emptied when a rule is
+    registered; past `max_size` entries one is emptied too (code applied to
+    ever new shapes must not grow it without bound)."""
+
+    def __init__(self, max_size: int = 1024):
+        self.max_size = max_size
+        self._calls: dict[Hashable, StagedCall] = {}
+        on_rules_changed(self._calls.clear)
+
+    def get(self, key: Hashable, make: Callable[[], StagedCall]) -> StagedCall:
+        """The call cached under `key`, made with `make()` the first time.
+        Raises `TypeError` if `key` cannot be hashed."""
+        call = self._calls.get(key)
+        if call is None:
+            if len(self._calls) >= self.max_size:
+                self._calls.clear()
+            call = self._calls[key] = make()
+        return call
+
+
+def compiled_calls_apply() -> bool:
+    """Whether a cached compiled call may stand in for running the rules:
+    under a "warn" or "error" `materialise_policy` and under `explain`, every
+    call is traced, so that every fallback is reported and recorded."""
+    return _policy.current_mode() == "allow" and _instrument.recorder.get() is None
 
 
 def cached_rule(rule: _Rule) -> _Rule:
@@ -160,29 +184,28 @@ def cached_rule(rule: _Rule) -> _Rule:
         assert jnp.allclose(f(Scaled(w, 3.0), v), 3 * (w @ v))  # another program
         ```
     """
-    calls: dict[tuple, StagedCall] = {}
+    calls = CompiledCalls()
     name = getattr(rule, "__name__", "rule")
 
     @ft.wraps(rule)
     def run_cached(*args, **params):
-        if _policy.current_mode() != "allow" or _instrument.recorder.get() is not None:
+        if not compiled_calls_apply():
             return rule(*args, **params)
-        arrays, positions, treedef, others = split_arrays(args)
-        key = (
-            tuple(sorted(params.items())),
-            *staging_key(arrays, positions, treedef, others),
-        )
+        split = split_arrays(args)
+        key = (tuple(sorted(params.items())), *split.key())
         try:
-            call = calls.get(key)
+            call = calls.get(
+                key,
+                lambda: StagedCall(
+                    ft.partial(_call_rule, rule, params),
+                    name,
+                    split,
+                    inline=jc.JIT_INLINE_AT_TRACE,
+                ),
+            )
         except TypeError:  # a non-array leaf or a param that cannot be hashed
             return rule(*args, **params)
-        if call is None:
-            if len(calls) >= _MAX_CACHED_PER_RULE:
-                calls.clear()
-            call = calls[key] = StagedCall(
-                ft.partial(_call_rule, rule, params), name, positions, treedef, others, inline=True
-            )
-        return call(arrays)
+        return call(split.arrays)
 
     return run_cached  # pyright: ignore
 

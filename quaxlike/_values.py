@@ -37,12 +37,16 @@ class Value(eqx.Module):
     `quaxlike.materialise_policy("warn")`/`("error")` apply to this type; set it
     to `False` for types that are cheap and expected to become dense.
 
-    The class attribute `compile_eagerly` (default `True`) lets a `jax.numpy`
-    function or an arithmetic operator (`+ - * / // % @`) applied to this type
-    outside any transformation run as one cached, compiled call (much faster
-    than its operations one by one). Set it to `False` when your rules compute
-    with concrete values in eager mode (a type holding static Python scalars),
-    which a compiled call would make abstract.
+    The class attribute `compile_eagerly` (default `False`) is an opt-in for
+    speed in eager code. Outside any transformation, a `jax.numpy` function
+    applied to a Value runs operation by operation, as in Quax: rules receive
+    concrete arrays, and results are those of running each rule as it is
+    reached. (Where every operation on the Values would only materialise them,
+    the call runs as JAX runs it on the dense arrays, which is the same thing.)
+    With `compile_eagerly = True` on every Value type involved, such a call runs
+    instead as one cached, compiled call: much faster, but the rules then see
+    tracers, not concrete arrays, and XLA may fuse their operations with the
+    function's (which can change the last bits of floating-point results).
 
     Unlike other Equinox Modules, a Value's bound methods (`value.materialise`)
     are ordinary Python bound methods, not PyTrees: rules call them on every
@@ -81,7 +85,7 @@ class Value(eqx.Module):
 
     structured_tangents: ClassVar[bool] = True
     warn_on_materialise: ClassVar[bool] = True
-    compile_eagerly: ClassVar[bool] = True
+    compile_eagerly: ClassVar[bool] = False
 
     # Equinox looks every attribute of a Module up through a Python-level
     # `__getattribute__` that turns methods into bound-method Modules (PyTrees),
@@ -163,15 +167,18 @@ class Value(eqx.Module):
             ```
         """
         arrays = [
-            materialise_for(primitive, values, i) if isinstance(v, Value) else v
-            for i, v in enumerate(values)
+            materialise_value(v, primitive, fallback=True, operands=values)
+            if isinstance(v, Value)
+            else v
+            for v in values
         ]
         return primitive.bind(*arrays, **params)
 
 
 class ArrayValue(Value):
     """A `Value` that stands for an array: adds `shape`, `dtype`, `ndim` and `size`,
-    all read from `aval()`.
+    all read from `aval()` (a subclass may override `shape`; `ndim` and `size`
+    still follow `aval()`).
 
     This is the base class to use for a new type: subclass it, declare fields,
     and implement `aval()` and `materialise()`.
@@ -209,15 +216,18 @@ class ArrayValue(Value):
         """The dtype of the array this Value stands for (from `aval()`)."""
         return self.aval().dtype  # pyright: ignore
 
+    # `ndim` and `size` read `aval()` rather than `self.shape`, as Quax's do: a
+    # subclass may give `shape` a meaning of its own (a vector type whose
+    # `shape` is its batch shape, while its aval has a component axis too).
     @property
     def ndim(self) -> int:
-        """The number of dimensions, `len(self.shape)`."""
-        return len(self.shape)
+        """The number of dimensions of the array this Value stands for (from `aval()`)."""
+        return len(self.aval().shape)  # pyright: ignore
 
     @property
     def size(self) -> int:
-        """The number of elements, the product of `self.shape`."""
-        return int(np.prod(self.shape))
+        """The number of elements of the array this Value stands for (from `aval()`)."""
+        return int(np.prod(self.aval().shape))  # pyright: ignore
 
 
 class DenseArrayValue(ArrayValue):
@@ -269,6 +279,20 @@ def is_value(x: Any) -> bool:
         return answer
 
 
+def describe(x: Any) -> str:
+    """`LoraArray[f32[4,3]]` for a Value, `f32[4,3]` for an array, the type's
+    name for anything else."""
+    if isinstance(x, Value):
+        try:
+            return f"{type(x).__qualname__}[{x.aval().str_short()}]"  # pyright: ignore
+        except Exception:  # a broken aval() is reported elsewhere
+            return type(x).__qualname__
+    try:
+        return jax.typeof(x).str_short()
+    except TypeError:
+        return type(x).__qualname__
+
+
 def checked_aval(value: Value) -> jc.AbstractValue:
     """Call `value.aval()` and check it returned an abstract value."""
     aval = value.aval()
@@ -281,21 +305,37 @@ def checked_aval(value: Value) -> jc.AbstractValue:
     return aval
 
 
-def materialise_value(value: Value, primitive: jc.Primitive | None = None) -> Any:
+def materialise_value(
+    value: Value,
+    primitive: jc.Primitive | None = None,
+    *,
+    fallback: bool = False,
+    operands: Sequence[Any] | None = None,
+    aval: jc.AbstractValue | None = None,
+) -> Any:
     """Materialise `value` until it is no longer a Value, checking the result
     has the shape and dtype that `aval()` promised.
 
     Use it in rules and tests rather than calling `value.materialise()` directly:
     it follows chains of Values (a `materialise()` that returns another Value) and
     raises a `quaxlike.QuaxlikeError` naming the type if the result disagrees with
-    `aval()`. It does not consult `materialise_policy`: calling it is asking for
-    the dense array on purpose.
+    `aval()`. Called plainly, it does not consult `materialise_policy`: calling it
+    is asking for the dense array on purpose.
 
     **Arguments:**
 
     - `value`: the Value to materialise.
     - `primitive`: the primitive that needs it, named in error messages
         (optional).
+    - `fallback`: `True` when this is a fallback, because `primitive` has no
+        rule for these types (quaxlike's own default and built-in rules pass
+        it): the current `materialise_policy` then applies, `explain` records it,
+        and a type whose `materialise()` raises gets a
+        `quaxlike.MaterialisationError` that names `primitive` and shows the rule
+        to register.
+    - `operands`: all of `primitive`'s operands, for that rule's signature
+        (default: just `value`).
+    - `aval`: `value.aval()`, when already known and checked.
 
     **Returns:**
 
@@ -310,11 +350,22 @@ def materialise_value(value: Value, primitive: jc.Primitive | None = None) -> An
         assert jnp.array_equal(dense, jnp.zeros(2))
         ```
     """
-    return _materialise_as(value, checked_aval(value), primitive)
+    if aval is None:
+        aval = checked_aval(value)
+    if not fallback:
+        return _materialise_as(value, aval, primitive)
+    _policy.on_fallback(value, primitive)
+    try:
+        return _materialise_as(value, aval, primitive)
+    except QuaxlikeError:
+        raise
+    except Exception as error:
+        raise _refused(
+            value, primitive, (value,) if operands is None else operands, error
+        ) from error
 
 
 def _materialise_as(value: Value, aval: jc.AbstractValue, primitive) -> Any:
-    """`materialise_value` for a Value whose `aval()` is already known."""
     out = value.materialise()
     if getattr(out, "aval", None) is aval:
         # The very abstract value promised (a field handed back as it is).
@@ -340,7 +391,7 @@ def _materialise_as(value: Value, aval: jc.AbstractValue, primitive) -> Any:
         raise QuaxlikeError(
             messages.MATERIALISE_MISMATCH.format(
                 type_name=type(value).__qualname__,
-                primitive=primitive if primitive is not None else "(none)",
+                primitive=getattr(primitive, "name", "(none)"),
                 expected=f"{expected_dtype}{list(expected_shape)}",
                 got=f"{out_dtype}{list(out_shape)}",
             )
@@ -352,52 +403,24 @@ def _is_weak_python_scalar(x) -> bool:
     return isinstance(x, (bool, int, float, complex))
 
 
-def fallback_materialise(value: Value, primitive: jc.Primitive) -> Any:
-    """Materialise `value` because a built-in rule for `primitive` needs it dense
-    (a loop carry that changed type, a `shard_map` leaf layout it cannot follow),
-    under the current `materialise_policy`."""
-    _policy.on_fallback(value, primitive)
-    return materialise_value(value, primitive)
-
-
-def materialise_for(primitive: jc.Primitive, values: Sequence[Any], position: int) -> Any:
-    """Materialise `values[position]` because `primitive` has no rule for `values`,
-    under the current `materialise_policy`; if the type refuses, say which
-    primitive needed it and how to add a rule."""
-    _policy.on_fallback(values[position], primitive)
-    return materialise_unreported(primitive, values, position)
-
-
-def materialise_unreported(
-    primitive: jc.Primitive,
-    values: Sequence[Any],
-    position: int,
-    aval: jc.AbstractValue | None = None,
-) -> Any:
-    """`materialise_for` without applying the policy, for callers that know it
-    allows the fallback and nothing records it. `aval`, when given, is the
-    Value's `aval()`, already checked."""
-    value = values[position]
-    try:
-        if aval is None:
-            return materialise_value(value, primitive)
-        return _materialise_as(value, aval, primitive)
-    except QuaxlikeError:
-        raise
-    except Exception as error:
-        type_name = type(value).__name__
-        annotations = ", ".join(
-            f"x{i}: {type(v).__name__}" if isinstance(v, Value) else f"x{i}: ArrayLike"
-            for i, v in enumerate(values)
+def _refused(value: Value, primitive, operands: Sequence[Any], error: Exception):
+    """The error for a type whose `materialise()` raised where `primitive` had no
+    rule: what happened, and the rule to register instead."""
+    type_name = type(value).__name__
+    name = getattr(primitive, "name", str(primitive))
+    annotations = ", ".join(
+        f"x{i}: {type(v).__name__}" if isinstance(v, Value) else f"x{i}: ArrayLike"
+        for i, v in enumerate(operands)
+    )
+    position = next((i for i, v in enumerate(operands) if v is value), 0)
+    return MaterialisationError(
+        messages.NO_RULE_AND_REFUSED.format(
+            primitive=name,
+            types=", ".join(type(v).__name__ for v in operands),
+            type_name=type_name,
+            position=position,
+            error=f"{type(error).__name__}: {error}",
+            annotations=annotations,
+            rule_name=f"{name.replace('-', '_')}_p_{type_name.lower()}",
         )
-        raise MaterialisationError(
-            messages.NO_RULE_AND_REFUSED.format(
-                primitive=primitive.name,
-                types=", ".join(type(v).__name__ for v in values),
-                type_name=type_name,
-                position=position,
-                error=f"{type(error).__name__}: {error}",
-                annotations=annotations,
-                rule_name=f"{primitive.name.replace('-', '_')}_p_{type_name.lower()}",
-            )
-        ) from error
+    )

@@ -29,6 +29,8 @@ def _run_quick(*scripts: str) -> str:
     # The suite's own settings (checked mode, set by conftest.py) are not passed on:
     # the scripts run as a user would run them.
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUAXLIKE_")}
+    # The checkout's own quaxlike, installed or not.
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
     result = subprocess.run(
         [
             sys.executable,

@@ -194,7 +194,10 @@ def test_unannotated_positional_argument_matches_anything():
         assert isinstance(out, A)
         assert jnp.array_equal(out.array, x * 20.0)
 
-    # Without checked mode, nothing is said.
+    # Without checked mode, nothing is said. (A primitive of this test's own: a
+    # rule that matches anything would take over `mul` for the whole session.)
+    private_p = jax.extend.core.Primitive("quaxlike_test_unannotated")
+
     def varargs_rule(*args, **params):
         return NotImplemented
 
@@ -202,10 +205,10 @@ def test_unannotated_positional_argument_matches_anything():
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            quaxlike.register(jax.lax.mul_p)(varargs_rule)
+            quaxlike.register(private_p)(varargs_rule)
     finally:
         quaxlike._instrument.checking.reset(token)
-    assert _has_rule(jax.lax.mul_p, varargs_rule)
+    assert _has_rule(private_p, varargs_rule)
 
     # Unannotated keyword-only params are not dispatched on: no warning.
     def ok_rule(x: A, y: A, *, extra=None, **params):

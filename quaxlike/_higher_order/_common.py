@@ -8,15 +8,15 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import ArrayLike
 
-from .._staging import join_arrays, split_arrays
-from .._values import fallback_materialise, Value
+from .._staging import split_arrays
+from .._values import materialise_value, Value
 
 
 AnyValue = ArrayLike | Value
 
 
 def to_dense(x: Any, primitive) -> Any:
-    return fallback_materialise(x, primitive) if isinstance(x, Value) else x
+    return materialise_value(x, primitive, fallback=True) if isinstance(x, Value) else x
 
 
 def through_array_leaves(transform: Callable, fn: Callable, args: Sequence[Any]):
@@ -27,16 +27,16 @@ def through_array_leaves(transform: Callable, fn: Callable, args: Sequence[Any])
     Those are closed over, and non-array parts of the output are passed back
     outside the transformation, as `eqx.filter_jit` does.
     """
-    arrays, *structure = split_arrays(list(args))
-    out_structure: list = []
+    split = split_arrays(list(args))
+    out_split = []
 
     def body(*in_arrays):
-        out_arrays, *found = split_arrays(fn(*join_arrays(in_arrays, *structure)))
-        out_structure[:] = found
-        return out_arrays
+        out = split_arrays(fn(*split.join(in_arrays)))
+        out_split[:] = [out.structure()]
+        return out.arrays
 
-    out_arrays = transform(body)(*arrays)
-    return join_arrays(out_arrays, *out_structure)
+    out_arrays = transform(body)(*split.arrays)
+    return out_split[0].join(out_arrays)
 
 
 def type_signature(x: Any):
@@ -47,19 +47,3 @@ def type_signature(x: Any):
         jax.typeof(leaf).str_short() if eqx.is_array(leaf) else (type(leaf), leaf)
         for leaf in leaves
     )
-
-
-def describe_type(x: Any) -> str:
-    if isinstance(x, Value):
-        return f"{type(x).__qualname__}{_aval_text(x)}"
-    try:
-        return jax.typeof(x).str_short()
-    except TypeError:
-        return type(x).__qualname__
-
-
-def _aval_text(x: Value) -> str:
-    try:
-        return f"[{x.aval().str_short()}]"
-    except Exception:  # a broken aval() is reported elsewhere
-        return ""

@@ -1,9 +1,12 @@
 """`custom_jvp` and `custom_vjp` functions applied to Values.
 
 JAX hands these to dedicated trace hooks with one-shot `WrappedFun`s rather than
-jaxprs. When a Value is among the inputs, we build an equivalent custom-derivative
-function over the Values' array leaves and bind that at the parent trace, so the
-user's rule keeps working under any outer transformation:
+jaxprs; `QuaxTrace`'s hooks dispatch them on `custom_jvp_call_p` and
+`custom_vjp_call_p` with those functions as params, so a type may register its
+own rule. The built-in rules, registered here for every type, build an
+equivalent custom-derivative function over the Values' array leaves and bind it
+at the parent trace, so the user's derivative rule keeps working under any
+outer transformation:
 
 - the primal runs the original function under `quaxify`;
 - for `custom_jvp`, tangents of a Value's leaves are treated as a Value of the same
@@ -23,7 +26,9 @@ import numpy as np
 
 from .. import _jax_compat as jc
 from .._quaxify import lifted_call
+from .._rules import register
 from .._values import checked_aval, materialise_value, Value
+from ._common import AnyValue
 
 
 def _is_inexact(x) -> bool:
@@ -75,7 +80,7 @@ class _Flattened:
         return self.rebuild(leaves)
 
 
-def _reusable(wrapped: jc.WrappedFun, avals, *, interleave_true: bool = False):
+def _reusable(wrapped, avals, *, interleave_true: bool = False):
     """Turn a one-shot `WrappedFun` over dense arrays into a function that can be
     called any number of times (traced once, lazily, to a jaxpr)."""
     cache = []
@@ -103,8 +108,12 @@ def _tangent_zeros_like(x):
     return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
 
 
-def custom_jvp_with_values(trace, primitive, fun, jvp, tracers, symbolic_zeros):
-    values = [trace.unwrap(t) for t in tracers]
+@register(jc.custom_jvp_call_p)
+def custom_jvp_call_p_values(*values: AnyValue, fun, jvp, symbolic_zeros: bool, **params):
+    """The built-in rule for a `custom_jvp` function applied to Values. Its
+    params are `fun` and `jvp`, JAX's one-shot `WrappedFun`s over dense arrays
+    (`jvp` takes primals then tangents and returns primal then tangent
+    outputs), and `symbolic_zeros`. Returns the list of outputs."""
     inputs = _Flattened(values)
     avals = _avals(values)
     primal_dense = _reusable(fun, avals)
@@ -158,10 +167,8 @@ def custom_jvp_with_values(trace, primitive, fun, jvp, tracers, symbolic_zeros):
         outputs[:] = [out]
         return out.take_leaves()
 
-    in_leaves = inputs.take_leaves()
-    with jc.set_current_trace(trace.parent_trace):
-        out_leaves = leaf_function(*in_leaves)
-    return _lift_outputs(trace, outputs[0].rebuild(out_leaves))
+    out_leaves = leaf_function(*inputs.take_leaves())
+    return list(outputs[0].rebuild(out_leaves))
 
 
 def _tangent_like(primal, tangent):
@@ -173,12 +180,14 @@ def _tangent_like(primal, tangent):
     return tangent
 
 
-def _lift_outputs(trace, out):
-    return [trace.lift(o) if isinstance(o, Value) else o for o in out]
-
-
-def custom_vjp_with_values(trace, primitive, fun, fwd, bwd, tracers, out_trees, symbolic_zeros):
-    values = [trace.unwrap(t) for t in tracers]
+@register(jc.custom_vjp_call_p)
+def custom_vjp_call_p_values(
+    *values: AnyValue, fun, fwd, bwd, out_trees, symbolic_zeros: bool, **params
+):
+    """The built-in rule for a `custom_vjp` function applied to Values. Its
+    params are JAX's: `fun`, `fwd` and `bwd` (one-shot `WrappedFun`s over dense
+    arrays), `out_trees` (a thunk, valid once `fwd` has run) and
+    `symbolic_zeros`. Returns the list of outputs."""
     inputs = _Flattened(values)
     primal_dense = _reusable(fun, _avals(values))
     outputs: list[_Flattened] = []
@@ -224,10 +233,8 @@ def custom_vjp_with_values(trace, primitive, fun, fwd, bwd, tracers, out_trees, 
 
     in_perturbed: list = []
     leaf_function.defvjp(leaf_fwd, leaf_bwd, symbolic_zeros=True)
-    in_leaves = inputs.take_leaves()
-    with jc.set_current_trace(trace.parent_trace):
-        out_leaves = leaf_function(*in_leaves)
-    return _lift_outputs(trace, outputs[0].rebuild(out_leaves))
+    out_leaves = leaf_function(*inputs.take_leaves())
+    return list(outputs[0].rebuild(out_leaves))
 
 
 def _instantiate(ct):

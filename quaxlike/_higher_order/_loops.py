@@ -13,8 +13,8 @@ from .. import _jax_compat as jc
 from .._diagnostics import messages, QuaxlikeError
 from .._quaxify import lifted_call
 from .._rules import register
-from .._values import checked_aval, Value
-from ._common import AnyValue, describe_type, to_dense, type_signature
+from .._values import checked_aval, describe, Value
+from ._common import AnyValue, to_dense, type_signature
 
 
 def _run_with_carry_fallback(primitive, init, run):
@@ -57,7 +57,7 @@ def _densify(values, dense, primitive):
 
 def _record(record, key, values):
     record[key] = [type_signature(v) for v in values]
-    record[key + "_text"] = [describe_type(v) for v in values]
+    record[key + "_text"] = [describe(v) for v in values]
 
 
 def _keep_where_false(predicate, new, old):
@@ -174,16 +174,8 @@ def _stacks_by_leaves(value: Value, length: int) -> bool:
 
 
 @register(jc.scan_p)
-def scan_p_values(
-    *args: AnyValue,
-    reverse: bool,
-    length: int,
-    jaxpr,
-    num_consts: int,
-    num_carry: int,
-    unroll=1,
-    **params,
-):
+def scan_p_values(*args: AnyValue, reverse: bool, length: int, jaxpr, unroll=1, **params):
+    num_consts, num_carry = jc.scan_layout(params)
     consts = args[:num_consts]
     init = list(args[num_consts : num_consts + num_carry])
     xs = [

@@ -28,9 +28,9 @@ import jax.tree_util as jtu
 from jax.sharding import PartitionSpec
 
 from .. import _jax_compat as jc
-from .._quaxify import call_lifted
+from .._quaxify import lifted_call
 from .._rules import register
-from .._values import fallback_materialise, is_value, Value
+from .._values import materialise_value, Value
 from ._common import AnyValue
 
 
@@ -59,7 +59,7 @@ def _guess_leaf_specs(value: Value, spec, shape: tuple[int, ...], inside: bool) 
     specs = []
     for leaf in jtu.tree_leaves(value):
         aval = jax.typeof(leaf)
-        varying = aval.mat.varying if tracking else frozenset()
+        varying = jc.varying_axes(aval) if tracking else frozenset()
         if aval.ndim != len(shape):
             if varying:
                 return None
@@ -176,52 +176,49 @@ def _split(values, specs, mesh, *, inside: bool):
         if isinstance(x, Value):
             leaf_specs = _leaf_specs(x, spec, mesh, inside=inside)
             if leaf_specs is None:
-                x = fallback_materialise(x, jc.shard_map_p)
+                x = materialise_value(x, jc.shard_map_p, fallback=True)
         layout.add(x, spec, leaf_specs, flat, flat_specs)
     return layout, flat, tuple(flat_specs)
 
 
 @register(jc.shard_map_p)
-def shard_map_p_values(
-    *args: AnyValue, fun, mesh, in_specs, debug_info, outer_trace=None, **params
-):
+def shard_map_p_values(*args: AnyValue, fun, mesh, in_specs, outer_trace=None, **params):
     """The built-in rule for `shard_map`. Its params are JAX's, plus `fun` (the
-    mapped function, taking and returning flat values) and `outer_trace` (the
-    `QuaxTrace` the `shard_map` was applied in, whose Values the body may close
-    over)."""
+    mapped function as JAX hands it to a trace) and `outer_trace` (the
+    `QuaxTrace` the `shard_map` was applied in, whose Values the body may
+    close over)."""
+    hook_params = dict(params, mesh=mesh, in_specs=in_specs)
     in_layout, flat_in, flat_in_specs = _split(args, in_specs, mesh, inside=False)
     found = {}
 
     def run_user_fun(*inner_args):
-        out_tree = fun(*inner_args)
-        outs, out_specs = out_tree.unpack_aux()
-        # Keep the output structure only: its values are this trace's tracers.
-        found["template"] = outs.map(lambda _: None)
+        outs, out_specs, rebuild = jc.shard_map_body_outputs(fun, inner_args, hook_params)
         found["out_specs"] = out_specs
-        return list(outs.vals)
+        # Keep how to rebuild the hook's result only: the outputs themselves
+        # are this trace's tracers.
+        found["rebuild"] = rebuild
+        return outs
 
     adopts = () if outer_trace is None else (outer_trace, *outer_trace.adopts)
 
     def body(*flat_local):
         inner_args = in_layout.rebuild(list(flat_local))
-        leaves, treedef = jtu.tree_flatten((run_user_fun, inner_args, {}), is_leaf=is_value)
-        outs = call_lifted(leaves, treedef, None, adopts)
+        outs = lifted_call(run_user_fun, *inner_args, adopts=adopts)
         out_layout, flat_out, flat_out_specs = _split(outs, found["out_specs"], mesh, inside=True)
         found["out_layout"] = out_layout
-        return jc.FlatTree.flatten(flat_out).with_aux(flat_out_specs)
+        found["flat_out_specs"] = flat_out_specs
+        return flat_out
 
-    if len(flat_in) != len(args):
-        debug_info = debug_info.with_unknown_names()
-    flat_result = jc.shard_map_p.bind(
-        *flat_in,
-        subfuns=(body,),
-        mesh=mesh,
-        in_specs=flat_in_specs,
-        debug_info=debug_info,
-        **params,
+    flat_result = jc.bind_shard_map(
+        body,
+        flat_in,
+        flat_in_specs,
+        lambda: found["flat_out_specs"],
+        hook_params,
+        renamed=len(flat_in) != len(args),
     )
-    outs = found["out_layout"].rebuild(list(flat_result.vals))
-    return found["template"].update(outs)
+    outs = found["out_layout"].rebuild(flat_result)
+    return found["rebuild"](outs)
 
 
 @register(jc.pvary_p)
@@ -233,7 +230,7 @@ def pvary_p_value(x: Value, *, axes, **params):
     def mark(leaf):
         if not eqx.is_array(leaf):
             return leaf
-        missing = tuple(a for a in axes if a not in jax.typeof(leaf).mat.varying)
+        missing = tuple(a for a in axes if a not in jc.varying_axes(jax.typeof(leaf)))
         return jc.pvary_p.bind(leaf, axes=missing, **params) if missing else leaf
 
     return jtu.tree_map(mark, x)

@@ -1,5 +1,5 @@
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -90,10 +90,6 @@ class Constant(quaxlike.ArrayValue):
         assert isinstance(out, Constant) and out.value == 84.0
         ```
     """
-
-    # Static scalars are computed with NumPy by the rules: `jax.numpy` functions
-    # called eagerly must run op by op, not as one compiled call, to keep them.
-    compile_eagerly: ClassVar[bool] = False
 
     _static_value: _StaticScalar | None = eqx.field(static=True)
     _traced_value: Array | None
