@@ -3,7 +3,7 @@
 
 Every result is compared with plain linen on dense parameters: the merged
 kernel `W + A @ B` computed here by hand, or the dequantised kernel. Shapes are
-small, and each check is one jitted program, to keep compile time down.
+small, to keep compile time down.
 """
 
 import equinox as eqx
@@ -15,9 +15,10 @@ import numpy as np
 import optax
 import pytest
 from helpers import tree_allclose
+from lora_helpers import dense, is_lora, randn, with_nonzero_b
 
 import quaxlike
-from quaxlike.examples.lora import LoraArray, loraify, partition
+from quaxlike.examples.lora import loraify, partition
 from quaxlike.examples.quantized import dequantize, Int4Array, quantize, QuantizedArray
 
 
@@ -37,32 +38,6 @@ class MLP(nn.Module):
 
 
 MODEL = MLP()
-
-
-def is_lora(x):
-    return isinstance(x, LoraArray)
-
-
-def dense(tree):
-    """The plain parameters a LoRA tree stands for, by hand (not with `merge`)."""
-    return jax.tree.map(lambda x: x.w + x.a @ x.b if is_lora(x) else x, tree, is_leaf=is_lora)
-
-
-def randn(seed, shape, scale=1.0):
-    # By NumPy: eager `jax.random` calls (and `jnp.asarray`) compile a program for
-    # every new shape.
-    rng = np.random.default_rng(seed)
-    return jax.device_put((scale * rng.standard_normal(shape)).astype(np.float32))
-
-
-def with_nonzero_b(tree):
-    """As if trained already: a non-zero `B`, so that `A @ B` matters."""
-    loras = iter(range(100))
-    return jax.tree.map(
-        lambda x: x.with_factors(x.w, x.a, randn(next(loras), x.b.shape, 0.3)) if is_lora(x) else x,
-        tree,
-        is_leaf=is_lora,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import optax
 import pytest
 from flax import nnx
 from helpers import tree_allclose
+from lora_helpers import dense, is_lora, randn, with_nonzero_b
 
 import quaxlike
 from quaxlike.examples.lora import LoraArray, loraify, partition
@@ -42,32 +43,6 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         return self.out(self.norm(nnx.gelu(self.hidden(x))))
-
-
-def is_lora(x):
-    return isinstance(x, LoraArray)
-
-
-def dense(tree):
-    """The plain model a LoRA one stands for, by hand (not with `merge`)."""
-    return jax.tree.map(lambda x: x.w + x.a @ x.b if is_lora(x) else x, tree, is_leaf=is_lora)
-
-
-def randn(seed, shape, scale=1.0):
-    # By NumPy: eager `jax.random` calls (and `jnp.asarray`) compile a program for
-    # every new shape.
-    rng = np.random.default_rng(seed)
-    return jax.device_put((scale * rng.standard_normal(shape)).astype(np.float32))
-
-
-def with_nonzero_b(tree):
-    """As if trained already: a non-zero `B`, so that `A @ B` matters."""
-    loras = iter(range(100))
-    return jax.tree.map(
-        lambda x: x.with_factors(x.w, x.a, randn(next(loras), x.b.shape, 0.3)) if is_lora(x) else x,
-        tree,
-        is_leaf=is_lora,
-    )
 
 
 def kernels(model):
