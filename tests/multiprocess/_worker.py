@@ -33,7 +33,7 @@ def main(process_id: int, port: int, kind: str, out: str) -> None:
     # Imported after `initialize`: nothing may touch a device before it.
     import _training
     from jax.experimental import multihost_utils
-    from jax.sharding import AxisType
+    from jax.sharding import AxisType, PartitionSpec as P
 
     assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 8, 4)
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
@@ -43,6 +43,8 @@ def main(process_id: int, port: int, kind: str, out: str) -> None:
 
     model, xs, ys = _training.place(_training.model(kind), *_training.data(), mesh)
     assert not xs.is_fully_addressable
+    # The weights are split too (the rows of each `A` over "model").
+    assert model.layers[0].weight.a.sharding.spec == P("model")
     trained, losses = _training.train(model, xs, ys)
     factors = multihost_utils.process_allgather(jax.tree.leaves(trained), tiled=True)
     result = {"losses": losses, "factors": [f.tolist() for f in factors]}
