@@ -17,7 +17,8 @@ import jax
 
 def main(process_id: int, port: int, kind: str, out: str) -> None:
     # Before JAX starts its backend: 4 CPU devices per process, and collectives
-    # across processes over TCP (gloo; the default on recent JAX, set for older).
+    # across processes over TCP (gloo: the default on JAX 0.10, named here for
+    # releases where it may not be).
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 4)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
