@@ -8,6 +8,8 @@ then checked case by case.
 """
 
 import functools
+import pathlib
+import re
 
 import equinox as eqx
 import jax
@@ -519,3 +521,12 @@ def test_loraify_refuses_stacked_convolutions():
     )
     with pytest.raises(ValueError, match=r"weight.*Conv1d.*\(2, 3, 2, 3\).*stack"):
         loraify(stacked, rank=R, key=jr.key(1))
+
+
+@pytest.mark.slow  # builds and initialises Equinox layers: mostly compiling random draws
+def test_readme_cnn_and_embedding_example():
+    """The README's CNN and embedding example runs as written."""
+    readme = pathlib.Path(quaxlike.__file__).parent / "examples" / "lora" / "README.md"
+    pattern = r"A CNN and a LoRA'd embedding table:\n\n```python\n(.*?)```"
+    (code,) = re.findall(pattern, readme.read_text(), re.S)
+    exec(compile(code, str(readme), "exec"), {})
