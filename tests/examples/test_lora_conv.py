@@ -29,6 +29,7 @@ from quaxlike.examples.lora import (
     merge,
     partition,
 )
+from quaxlike.examples.zero import Zero
 
 
 RTOL, ATOL = 1e-4, 1e-4
@@ -530,3 +531,16 @@ def test_readme_cnn_and_embedding_example():
     pattern = r"A CNN and a LoRA'd embedding table:\n\n```python\n(.*?)```"
     (code,) = re.findall(pattern, readme.read_text(), re.S)
     exec(compile(code, str(readme), "exec"), {})
+
+
+def test_arrays_may_be_values(getseed):
+    # The rules redispatch through quaxify, so W, A and B may be Values: symbolic
+    # zeros for the factors, then for the kernel.
+    fn, x_shape, k_shape, axis = CASES["conv2d_groups_lhs_dilation"]
+    x = randn(getseed(), x_shape)
+    w, a, b = factors(getseed(), k_shape, axis)
+    zero_factors = LoraConvKernel.from_factors(w, Zero(a.shape, a.dtype), Zero(b.shape, b.dtype))
+    zero_kernel = LoraConvKernel.from_factors(Zero(w.shape, w.dtype), a, b)
+    got = jit(lambda *ks: [quaxlike.quaxify(fn)(x, k) for k in ks])(zero_factors, zero_kernel)
+    expected = [fn(x, w), fn(x, merged_kernel(jnp.zeros_like(w), a, b, axis))]
+    assert tree_allclose(got, expected, rtol=RTOL, atol=ATOL)

@@ -20,6 +20,7 @@ from jax import lax
 
 import quaxlike
 from quaxlike.examples.lora import LoraArray, loraify, merge, partition
+from quaxlike.examples.zero import Zero
 
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -228,3 +229,47 @@ def test_embedding_training_gradients(embedding):
     # Rows never looked up get no gradient in A; every column of B does.
     grad_a = np.asarray(got.weight.a)
     assert not np.any(grad_a[4:39]) and np.all(np.any(grad_a[[0, 1, 2, 3, 39]], axis=1))
+
+
+def test_lookup_never_allocates_the_table():
+    # Compiled memory (bytes are deterministic): looking up 16 rows of a (4096, 64)
+    # LoRA table, and its gradients with respect to A and B, allocate far less than
+    # the 1 MiB table; the merged table's lookup allocates at least the table.
+    vocab, width = 4096, 64
+    w, a, b = randn(0, (vocab, width)), randn(1, (vocab, R)), randn(2, (R, width))
+    ids = ints(np.arange(16) * 97)
+    table_bytes = vocab * width * 4
+
+    def lookup(m):
+        return jax.vmap(lambda i: m[i])(ids)
+
+    def lora_loss(a, b):
+        return jnp.sum(quaxlike.quaxify(lookup)(lora_from(w, a, b)) ** 2)
+
+    def merged_loss(a, b):
+        return jnp.sum(lookup(lax.stop_gradient(w) + a @ b) ** 2)
+
+    def temp_bytes(fn):
+        return jax.jit(fn).lower(a, b).compile().memory_analysis().temp_size_in_bytes
+
+    for lora_fn, merged_fn in (
+        (lora_loss, merged_loss),
+        (jax.grad(lora_loss, (0, 1)), jax.grad(merged_loss, (0, 1))),
+    ):
+        assert temp_bytes(lora_fn) < table_bytes / 16
+        assert temp_bytes(merged_fn) >= table_bytes
+
+
+def test_arrays_may_be_values():
+    # The rule redispatches through quaxify, so W, A and B may be Values: symbolic
+    # zeros for the factors, then for the weight.
+    w, a, b = _params()["rows"]
+    zero_factors = lora_from(w, Zero((M, R), jnp.float32), Zero((R, N), jnp.float32))
+    zero_weight = lora_from(Zero((M, N), jnp.float32), a, b)
+
+    def f(m, i):
+        return (m[i], m[:, i % N], jax.vmap(lambda j: m[j, j % N])(i))
+
+    got = jit(lambda *ms: [quaxlike.quaxify(f)(m, IDS) for m in ms])(zero_factors, zero_weight)
+    expected = [f(w, IDS), f(a @ b, IDS)]
+    assert tree_allclose(got, expected, rtol=RTOL, atol=ATOL)
