@@ -424,7 +424,7 @@ def transpose_p_lorakernel(kernel: LoraConvKernel, *, permutation, **params):
 
 @quaxlike.register(lax.reshape_p)
 def reshape_p_lorakernel(kernel: LoraConvKernel, *, new_sizes, **params):
-    if tuple(new_sizes) == kernel.shape:
+    if tuple(new_sizes) == kernel.shape and params.get("dimensions") is None:
         return kernel
     if kernel.allow_materialise:
         return NotImplemented

@@ -46,9 +46,10 @@ _BAD_KEY_SCHEME_MSG = (
     "{got!r}."
 )
 _BAD_WHERE_MSG = (
-    "`loraify(..., where=...)` takes None (every `eqx.nn.Linear` weight), a path "
-    "pattern string such as 'layers.*.weight', a sequence of such strings, or a "
-    "predicate `(path: str, leaf) -> bool`; got {got!r}."
+    "`loraify(..., where=...)` takes None (the weight of every `eqx.nn.Linear`, "
+    "`eqx.nn.Conv` and `eqx.nn.ConvTranspose`), a path pattern string such as "
+    "'layers.*.weight', a sequence of such strings, or a predicate "
+    "`(path: str, leaf) -> bool`; got {got!r}."
 )
 
 
