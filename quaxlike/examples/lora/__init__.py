@@ -1,7 +1,10 @@
-"""Low-rank adaptation: `LoraArray` stands for `W + A @ B` without building it."""
+"""Low-rank adaptation: `LoraArray` stands for `W + A @ B` without building it, and
+`LoraConvKernel` for a convolution kernel plus a low-rank update."""
 
-from . import _rules  # noqa: F401  (registers LoraArray's rules)
+from . import _conv, _gather, _rules  # noqa: F401  (register the rules)
+from ._conv import LoraConvKernel as LoraConvKernel
 from ._model import (
+    adapted_paths as adapted_paths,
     loraify as loraify,
     merge as merge,
     partition as partition,

@@ -2,13 +2,15 @@
 
 import fnmatch
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax.random as jr
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
+from ._conv import dense_kernel, LoraConvKernel, scaled_normal
 from ._value import _dense, LoraArray
 
 
@@ -25,20 +27,34 @@ _NOT_A_MATRIX_MSG = (
     "example end it with `.weight`)."
 )
 _NO_LINEAR_MSG = (
-    "`loraify(model, ...)` found no `eqx.nn.Linear` in the model, so nothing would be "
-    "adapted. To adapt other weights (convolutions, attention projections stored as "
-    "arrays, ...), select them with `where=`: a dotted path pattern such as "
-    "'blocks.*.conv.weight', or a predicate `(path, leaf) -> bool`."
+    "`loraify(model, ...)` found no `eqx.nn.Linear`, `eqx.nn.Conv` or "
+    "`eqx.nn.ConvTranspose` in the model, so nothing would be adapted. To adapt other "
+    "weights (attention projections or embedding tables stored as arrays, ...), select "
+    "them with `where=`: a dotted path pattern such as 'blocks.*.proj', or a predicate "
+    "`(path, leaf) -> bool`."
+)
+_STACKED_CONV_MSG = (
+    "`loraify` selected `{path}`, the kernel of an `eqx.nn.{kind}` with "
+    "{spatial} spatial dimension(s) but of shape {shape}: a stack of kernels, as "
+    "`eqx.filter_vmap` builds. LoraConvKernel has no batch axes, so stacked "
+    "convolutions cannot be adapted yet. Leave them out with `where=`, or build the "
+    "layers one by one."
+)
+_BAD_KEY_SCHEME_MSG = (
+    "`loraify(..., key_scheme=...)` takes 'quax' (Quax's chain of splits, the default) "
+    "or 'split' (one `jr.split(key, n)` over the adapted weights in tree order); got "
+    "{got!r}."
 )
 _BAD_WHERE_MSG = (
-    "`loraify(..., where=...)` takes None (every `eqx.nn.Linear` weight), a path "
-    "pattern string such as 'layers.*.weight', a sequence of such strings, or a "
-    "predicate `(path: str, leaf) -> bool`; got {got!r}."
+    "`loraify(..., where=...)` takes None (the weight of every `eqx.nn.Linear`, "
+    "`eqx.nn.Conv` and `eqx.nn.ConvTranspose`), a path pattern string such as "
+    "'layers.*.weight', a sequence of such strings, or a predicate "
+    "`(path: str, leaf) -> bool`; got {got!r}."
 )
 
 
 def _is_lora(x: Any) -> bool:
-    return isinstance(x, LoraArray)
+    return isinstance(x, (LoraArray, LoraConvKernel))
 
 
 def _component(key: Any) -> str:
@@ -81,11 +97,18 @@ def _as_predicate(where: Any) -> Callable[[str, Any], object]:
     raise TypeError(_BAD_WHERE_MSG.format(got=where))
 
 
-def _linear_weight_paths(model: PyTree) -> set[str]:
-    is_linear = lambda x: isinstance(x, eqx.nn.Linear)  # noqa: E731
-    found = jtu.tree_flatten_with_path(model, is_leaf=is_linear)[0]
+_CONVOLUTIONS = (eqx.nn.Conv, eqx.nn.ConvTranspose)
+
+
+def _layer_weights(model: PyTree) -> dict[str, Any]:
+    """The dotted path of the `weight` of every `eqx.nn.Linear`, `eqx.nn.Conv` and
+    `eqx.nn.ConvTranspose` in `model`, with the layer it belongs to."""
+    is_layer = lambda x: isinstance(x, (eqx.nn.Linear, *_CONVOLUTIONS))  # noqa: E731
+    found = jtu.tree_flatten_with_path(model, is_leaf=is_layer)[0]
     return {
-        dotted_path((*path, jtu.GetAttrKey("weight"))) for path, leaf in found if is_linear(leaf)
+        dotted_path((*path, jtu.GetAttrKey("weight"))): layer
+        for path, layer in found
+        if is_layer(layer)
     }
 
 
@@ -104,23 +127,42 @@ def loraify(
     scale: float = 0.01,
     allow_materialise: bool = False,
     stop_gradient: bool = True,
+    key_scheme: Literal["quax", "split"] = "quax",
 ) -> PyTree:
-    """Replace weights in `model` by `LoraArray`s.
+    """Replace weights in `model` by `LoraArray`s (and convolution kernels by
+    `LoraConvKernel`s).
 
-    By default every `eqx.nn.Linear`'s weight is replaced (including the stacked
-    weights of Linears built with `eqx.filter_vmap`, which become `LoraArray`s with
-    batch dimensions). `where` selects other leaves instead, by the dotted path of
-    each leaf: attribute names, sequence indices and dict keys joined by `.`, such
-    as `layers.0.weight` in an `eqx.nn.MLP`. Leaves that are already `LoraArray`s
-    are left alone.
+    By default the weight of every `eqx.nn.Linear` is replaced (in a transformer:
+    the attention projections of `eqx.nn.MultiheadAttention`, the feed-forward
+    layers and the output head; including the stacked weights of Linears built
+    with `eqx.filter_vmap`, which become `LoraArray`s with batch dimensions), and
+    so is the kernel of every `eqx.nn.Conv` and `eqx.nn.ConvTranspose` (1-, 2- or
+    3-D). Embedding tables, norms and biases are left alone. `where` selects other
+    leaves instead, by the dotted path of each leaf: attribute names, sequence
+    indices and dict keys joined by `.`, such as `layers.0.weight` in an
+    `eqx.nn.MLP`. Leaves that are already LoRA are left alone.
+    `adapted_paths(model)` lists what was replaced.
+
+    A kernel of an `eqx.nn.Conv` or `eqx.nn.ConvTranspose` becomes a
+    `LoraConvKernel` (output channels along axis 0); any other selected leaf, a
+    `LoraArray`.
+
+    The keys follow Quax: `key, subkey = jr.split(key)` once per replaced weight,
+    `A` drawn from `subkey`. `eqx.nn.Linear` weights come first, in tree order, so
+    each gets the `A` that `quax.examples.lora.loraify` draws for it from the same
+    key; the other replaced weights continue the chain in tree order.
 
     **Arguments:**
 
     - `model`: any PyTree, usually an Equinox model.
     - `rank`, `scale`, `allow_materialise`, `stop_gradient`: as for `LoraArray`.
-    - `key`: a PRNG key, split across the replaced weights.
+    - `key`: a PRNG key, from which every replaced weight's key is derived.
+    - `key_scheme`: `"quax"` (the default): the chain above. `"split"`:
+        `jr.split(key, n)` over the replaced weights in tree order, as quaxlike did
+        before it matched Quax.
     - `where`: which leaves to replace. One of:
-        - `None`: the weight of every `eqx.nn.Linear`;
+        - `None`: the weight of every `eqx.nn.Linear`, `eqx.nn.Conv` and
+          `eqx.nn.ConvTranspose`;
         - a pattern string, matched against each leaf's dotted path, where `*`
           matches one component (or part of one, as in `lin*`), and `**` matches
           any number of components: `"layers.*.weight"`, `"**.weight"`;
@@ -135,8 +177,9 @@ def loraify(
     **Raises:**
 
     `ValueError` if `where` selects nothing (or, without `where`, the model has no
-    `eqx.nn.Linear`), or selects a leaf that is not a floating-point array with at
-    least two dimensions.
+    `eqx.nn.Linear`, `eqx.nn.Conv` or `eqx.nn.ConvTranspose`), or selects a leaf that
+    is not a floating-point array with at least two dimensions, or the kernel of a
+    stack of convolutions.
 
     !!! example
 
@@ -147,14 +190,16 @@ def loraify(
         y = quaxlike.quaxify(model)(jnp.ones(16))
         ```
     """
+    if key_scheme not in ("quax", "split"):
+        raise ValueError(_BAD_KEY_SCHEME_MSG.format(got=key_scheme))
     leaves_with_paths, treedef = jtu.tree_flatten_with_path(model, is_leaf=_is_lora)
     paths = [dotted_path(path) for path, _ in leaves_with_paths]
     leaves = [leaf for _, leaf in leaves_with_paths]
+    layers = _layer_weights(model)
     if where is None:
-        wanted = _linear_weight_paths(model)
-        if not wanted:
+        if not layers:
             raise ValueError(_NO_LINEAR_MSG)
-        chosen = [p in wanted and not _is_lora(leaf) for p, leaf in zip(paths, leaves)]
+        chosen = [p in layers and not _is_lora(leaf) for p, leaf in zip(paths, leaves)]
     else:
         predicate = _as_predicate(where)
         chosen = [not _is_lora(leaf) and bool(predicate(p, leaf)) for p, leaf in zip(paths, leaves)]
@@ -170,22 +215,87 @@ def loraify(
                 )
                 raise ValueError(_NOT_A_MATRIX_MSG.format(where=where, path=path, what=what))
     if not any(chosen):
-        return model  # every Linear weight is a LoraArray already
-    keys = iter(jr.split(key, sum(chosen)))
-    new_leaves = [
-        LoraArray(
-            leaf,
+        return model  # every layer weight is LoRA already
+    selected = [i for i, c in enumerate(chosen) if c]
+    keys = _weight_keys(
+        key,
+        selected,
+        [isinstance(layers.get(paths[i]), eqx.nn.Linear) for i in selected],
+        key_scheme,
+    )
+    new_leaves = list(leaves)
+    for i in selected:
+        new_leaves[i] = _adapted(
+            leaves[i],
+            paths[i],
+            layers.get(paths[i]),
+            keys[i],
             rank=rank,
             scale=scale,
             allow_materialise=allow_materialise,
             stop_gradient=stop_gradient,
-            key=next(keys),
         )
-        if selected
-        else leaf
-        for leaf, selected in zip(leaves, chosen)
-    ]
     return jtu.tree_unflatten(treedef, new_leaves)
+
+
+def _weight_keys(key, selected: list[int], is_linear: list[bool], scheme: str) -> dict[int, Any]:
+    """A key for each selected leaf: Quax's chain (Linear weights first) or one split."""
+    if scheme == "split":
+        return dict(zip(selected, jr.split(key, len(selected))))
+    order = [i for i, linear in zip(selected, is_linear) if linear]
+    order += [i for i, linear in zip(selected, is_linear) if not linear]
+    keys = {}
+    for i in order:
+        # As quax.examples.lora.loraify does for each Linear, in tree order.
+        key, keys[i] = jr.split(key)
+    return keys
+
+
+def _adapted(leaf, path: str, layer: Any, key, *, rank, scale, allow_materialise, stop_gradient):
+    """`leaf` as a LoraConvKernel (the kernel of a convolution) or a LoraArray, with
+    `A = scale * jr.normal(key, ...)` drawn exactly as Quax draws it."""
+    flags = dict(allow_materialise=allow_materialise, stop_gradient=stop_gradient)
+    if isinstance(layer, _CONVOLUTIONS):
+        if leaf.ndim != layer.num_spatial_dims + 2:
+            raise ValueError(
+                _STACKED_CONV_MSG.format(
+                    path=path,
+                    kind=type(layer).__name__,
+                    spatial=layer.num_spatial_dims,
+                    shape=tuple(leaf.shape),
+                )
+            )
+        return LoraConvKernel(leaf, rank=rank, scale=scale, key=key, out_axis=0, **flags)
+    lora = LoraArray(leaf, rank=rank, scale=scale, key=key, **flags)
+    # Drawn again, as Quax draws it: LoraArray's own draw can differ from Quax's in
+    # the last bit (see README.md, "Same key, same start as Quax").
+    *batch, m, _ = leaf.shape
+    a = scaled_normal(key, (*batch, m, int(rank)), scale, np.dtype(leaf.dtype))
+    return lora.with_factors(lora.w, a, lora.b)
+
+
+def adapted_paths(model: PyTree) -> list[str]:
+    """The dotted paths of the LoRA weights in `model`: what `loraify` replaced.
+
+    **Arguments:**
+
+    - `model`: any PyTree.
+
+    **Returns:**
+
+    The dotted path (as `loraify`'s `where` patterns spell it) of every
+    `LoraArray` and `LoraConvKernel` in `model`, in tree order.
+
+    !!! example
+
+        ```python
+        mlp = eqx.nn.MLP(3, 2, 8, depth=1, key=jr.key(0))
+        model = loraify(mlp, rank=2, key=jr.key(1))
+        assert adapted_paths(model) == ["layers.0.weight", "layers.1.weight"]
+        ```
+    """
+    found = jtu.tree_flatten_with_path(model, is_leaf=_is_lora)[0]
+    return [dotted_path(path) for path, leaf in found if _is_lora(leaf)]
 
 
 def trainable_filter(model: PyTree) -> PyTree[bool]:
@@ -262,7 +372,8 @@ def partition(model: PyTree) -> tuple[PyTree, PyTree]:
 
 
 def merge(model: PyTree) -> PyTree:
-    """Bake every `LoraArray` in `model` into a dense weight `W + A @ B`.
+    """Bake every `LoraArray` (and `LoraConvKernel`) in `model` into a dense weight
+    `W + A @ B`.
 
     **Arguments:**
 
@@ -284,8 +395,12 @@ def merge(model: PyTree) -> PyTree:
         assert jnp.allclose(dense(x), quaxlike.quaxify(model)(x))
         ```
     """
-    return jtu.tree_map(
-        lambda x: _dense(x.w, x.a, x.b) if _is_lora(x) else x,
-        model,
-        is_leaf=_is_lora,
-    )
+    return jtu.tree_map(_merged, model, is_leaf=_is_lora)
+
+
+def _merged(x: Any) -> Any:
+    if isinstance(x, LoraConvKernel):
+        return dense_kernel(x.w, x.a, x.b, x.out_axis)
+    if isinstance(x, LoraArray):
+        return _dense(x.w, x.a, x.b)
+    return x
