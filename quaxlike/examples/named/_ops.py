@@ -21,7 +21,7 @@ from jaxtyping import Array, ArrayLike
 import quaxlike
 
 from ._quax_names import Axis
-from ._value import AxisName, check_axes, NamedArray, NamedAxisError
+from ._value import AxisName, check_names, NamedArray, NamedAxisError
 
 
 _NOT_NAMED_MSG = (
@@ -165,7 +165,7 @@ def dot(
     x = _require_named(x, "dot", "x")
     y = _require_named(y, "dot", "y")
     contract = _as_names(axis)
-    check_axes(contract, (0,) * len(contract))  # no repeats or non-strings
+    check_names(contract)  # no repeats or non-names
     batch = tuple(n for n in x.axes if n is not None and n in y.axes and n not in contract)
     left = tuple(x.position(name, "dot") for name in contract + batch)
     right = tuple(y.position(name, "dot") for name in contract + batch)

@@ -92,7 +92,8 @@ class NamedContractionError(NamedAxisError, TypeError):
         ```"""
 
 
-def check_axes(axes: tuple, shape: tuple[int, ...]) -> None:
+def check_names(axes: tuple) -> None:
+    """Every name is a string, an `Axis` or None, and no name appears twice."""
     for name in axes:
         if name is not None and not isinstance(name, (str, Axis)):
             raise NamedAxisError(
@@ -102,6 +103,12 @@ def check_axes(axes: tuple, shape: tuple[int, ...]) -> None:
     for name in named:
         if named.count(name) > 1:
             raise NamedAxisError(_DUPLICATE_MSG.format(name=name, axes=axes))
+
+
+def check_axes(axes: tuple, shape: tuple[int, ...]) -> None:
+    """`axes` are valid names for an array of `shape`: one per dimension, and
+    `Axis` labels of a fixed size on dimensions of that length."""
+    check_names(axes)
     if len(axes) != len(shape):
         raise NamedAxisError(_BAD_AXES_MSG.format(count=len(axes), axes=axes, shape=shape))
     for position, (name, length) in enumerate(zip(axes, shape)):
