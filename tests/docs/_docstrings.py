@@ -31,6 +31,7 @@ PACKAGES = ["quaxlike", "quaxlike.internal"] + [
         "quantized",
         "sparse",
         "structured",
+        "structured_matrices",
         "unitful",
         "zero",
     )

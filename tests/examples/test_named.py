@@ -83,7 +83,9 @@ def test_construction_errors(x):
         NamedArray(np.ones((2, 3)), ("a",))
     with pytest.raises(NamedAxisError, match="'a' appears more than once"):
         NamedArray(np.ones((2, 3)), ("a", "a"))
-    with pytest.raises(NamedAxisError, match="must be strings or None; got 0 of type int"):
+    with pytest.raises(
+        NamedAxisError, match="must be strings, `Axis` objects or None; got 0 of type int"
+    ):
         NamedArray(np.ones((2, 3)), ("a", 0))
     with pytest.raises(
         NamedAxisError, match=r"no axis named 'hidden'; the axes are \('batch', 'feature'\)"

@@ -1,4 +1,4 @@
-"""Operations addressed by axis name: `rename`, `align`, `sum` and `dot`.
+"""Operations addressed by axis name: `rename`, `align`, `sum`, `dot` and `trace`.
 
 Their array arguments are annotated `NamedArray | ArrayLike` so that a plain
 array (or a tracer, inside `quaxify`) reaches the check below and gets an error
@@ -15,11 +15,13 @@ from typing import cast
 
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 from jaxtyping import Array, ArrayLike
 
 import quaxlike
 
-from ._value import Axis, check_axes, NamedArray, NamedAxisError
+from ._quax_names import Axis
+from ._value import AxisName, check_names, NamedArray, NamedAxisError
 
 
 _NOT_NAMED_MSG = (
@@ -33,6 +35,7 @@ _ALIGN_MSG = (
     "`align`: {axes} must list each name of the array's axes {have} exactly once "
     "(and the array can have no unnamed axes)."
 )
+_TRACE_SAME_MSG = "`trace`: `axis1` and `axis2` are both {name!r}; trace along two different axes."
 _DOT_SIZE_MSG = (
     "`dot`: axis {name!r} has length {left} in the left operand and {right} in the "
     "right one; axes with the same name must have the same length."
@@ -45,11 +48,11 @@ def _require_named(x, fn: str, arg: str) -> NamedArray:
     return x
 
 
-def _as_names(axis: str | Sequence[str]) -> tuple[str, ...]:
-    return (axis,) if isinstance(axis, str) else tuple(axis)
+def _as_names(axis: AxisName | Sequence[AxisName]) -> tuple[AxisName, ...]:
+    return (axis,) if isinstance(axis, (str, Axis)) else tuple(axis)  # pyright: ignore[reportArgumentType]
 
 
-def rename(x: NamedArray | ArrayLike, mapping: Mapping[str, Axis]) -> NamedArray:
+def rename(x: NamedArray | ArrayLike, mapping: Mapping[AxisName, AxisName]) -> NamedArray:
     """Rename some axes of `x`. Costs nothing: the array is unchanged.
 
     **Arguments:**
@@ -73,10 +76,10 @@ def rename(x: NamedArray | ArrayLike, mapping: Mapping[str, Axis]) -> NamedArray
         x.position(old, "rename")
     # Unnamed axes stay unnamed (`position` above rejects `None` as a key).
     new_axes = tuple(None if name is None else mapping.get(name, name) for name in x.axes)
-    return NamedArray(x.array, new_axes)
+    return NamedArray(x.array, new_axes, x.allow_materialise)
 
 
-def align(x: NamedArray | ArrayLike, axes: Sequence[str]) -> NamedArray:
+def align(x: NamedArray | ArrayLike, axes: Sequence[AxisName]) -> NamedArray:
     """Transpose `x` so that its axes come in the order `axes`.
 
     **Arguments:**
@@ -97,14 +100,17 @@ def align(x: NamedArray | ArrayLike, axes: Sequence[str]) -> NamedArray:
     """
     x = _require_named(x, "align", "x")
     axes = tuple(axes)
-    if None in x.axes or sorted(axes) != sorted(x.axes):  # pyright: ignore[reportArgumentType]
+    # Names may be `Axis` objects, which do not sort: compare as sets, with counts.
+    if None in x.axes or len(axes) != len(x.axes) or len(set(axes)) != len(axes):
+        raise NamedAxisError(_ALIGN_MSG.format(axes=axes, have=x.axes))
+    if set(axes) != set(x.axes):
         raise NamedAxisError(_ALIGN_MSG.format(axes=axes, have=x.axes))
     permutation = tuple(x.axes.index(name) for name in axes)
     # The rules for a NamedArray operand give a NamedArray.
     return cast(NamedArray, quaxlike.quaxify(lambda a: jnp.transpose(a, permutation))(x))
 
 
-def sum(x: NamedArray | ArrayLike, axis: str | Sequence[str]) -> NamedArray | Array:  # noqa: A001
+def sum(x: NamedArray | ArrayLike, axis: AxisName | Sequence[AxisName]) -> NamedArray | Array:  # noqa: A001
     """Sum `x` over the named axis or axes.
 
     **Arguments:**
@@ -130,7 +136,7 @@ def sum(x: NamedArray | ArrayLike, axis: str | Sequence[str]) -> NamedArray | Ar
 
 
 def dot(
-    x: NamedArray | ArrayLike, y: NamedArray | ArrayLike, axis: str | Sequence[str]
+    x: NamedArray | ArrayLike, y: NamedArray | ArrayLike, axis: AxisName | Sequence[AxisName]
 ) -> NamedArray | Array:
     """Contract `x` and `y` over the named axis or axes, wherever they are.
 
@@ -159,7 +165,7 @@ def dot(
     x = _require_named(x, "dot", "x")
     y = _require_named(y, "dot", "y")
     contract = _as_names(axis)
-    check_axes(contract, (0,) * len(contract))  # no repeats or non-strings
+    check_names(contract)  # no repeats or non-names
     batch = tuple(n for n in x.axes if n is not None and n in y.axes and n not in contract)
     left = tuple(x.position(name, "dot") for name in contract + batch)
     right = tuple(y.position(name, "dot") for name in contract + batch)
@@ -171,3 +177,48 @@ def dot(
     k = len(contract)
     dimension_numbers = ((left[:k], right[:k]), (left[k:], right[k:]))
     return quaxlike.quaxify(lambda a, b: lax.dot_general(a, b, dimension_numbers))(x, y)
+
+
+def trace(
+    array: NamedArray | ArrayLike,
+    *,
+    offset: int = 0,
+    axis1: AxisName,
+    axis2: AxisName,
+    dtype: DTypeLike | None = None,
+) -> NamedArray | Array:
+    """The sum along a diagonal of two named axes, as `jnp.trace` with names
+    instead of positions (Quax's `named.trace`).
+
+    **Arguments:**
+
+    - `array`: a `NamedArray`.
+    - `offset`: which diagonal: 0 for the main one, positive above it, negative
+        below it (as for `jnp.trace`).
+    - `axis1`, `axis2`: the names of the two axes to trace over (different axes).
+    - `dtype`: the dtype of the result and of the accumulator, as for `jnp.trace`.
+
+    **Returns:**
+
+    A `NamedArray` with the other axes, in their order (a plain array when no
+    named axis remains).
+
+    !!! example
+
+        ```python
+        x = NamedArray(jnp.arange(24.0).reshape(2, 3, 4), ("a", "b", "c"))
+        out = trace(x, axis1="a", axis2="c")
+        assert out.axes == ("b",)
+        assert jnp.array_equal(out.array, jnp.trace(x.array, axis1=0, axis2=2))
+        ```
+    """
+    array = _require_named(array, "trace", "array")
+    if axis1 is not None and axis1 == axis2:
+        raise NamedAxisError(_TRACE_SAME_MSG.format(name=axis1))
+    index1 = array.position(axis1, "trace")
+    index2 = array.position(axis2, "trace")
+    out = jnp.trace(array.array, offset=offset, axis1=index1, axis2=index2, dtype=dtype)
+    axes = tuple(name for i, name in enumerate(array.axes) if i not in (index1, index2))
+    if all(name is None for name in axes):
+        return out
+    return NamedArray(out, axes, array.allow_materialise)

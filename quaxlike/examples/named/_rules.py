@@ -3,6 +3,7 @@
 A plain array operand counts as having no names (all `None`). Each rule works
 out the result's names statically, binds the primitive on the plain arrays, and
 wraps the result again; a result with no names left comes back as a plain array.
+A result allows materialisation only if every `NamedArray` operand did.
 """
 
 import jax.extend.core as jex_core
@@ -11,7 +12,7 @@ from jaxtyping import Array, ArrayLike
 
 import quaxlike
 
-from ._value import Axis, NamedArray, NamedAxisError
+from ._value import AxisName, NamedArray, NamedAxisError, NamedContractionError
 
 
 _MISMATCH_MSG = (
@@ -25,9 +26,10 @@ _MISMATCH_MSG = (
     "to skip the check, pass the plain array (`y.array`)."
 )
 _CONTRACT_MSG = (
-    "`dot_general`: contracts axis {left_name!r} (position {i} of the left operand, "
-    "axes {left}) with axis {right_name!r} (position {j} of the right operand, axes "
-    "{right}); {kind} axes must have the same name. If they are the same axis, "
+    "Cannot {verb} mismatched dimensions in `dot_general`: it {verbs} axis "
+    "{left_name!r} (position {i} of the left operand, axes {left}) with axis "
+    "{right_name!r} (position {j} of the right operand, axes {right}); {kind} axes "
+    "must have the same name. If they are the same axis, "
     "rename one (`rename(w, {{{right_name!r}: {left_name!r}}})`). If you meant to "
     "contract the axes called {left_name!r}, use `dot(x, w, {left_name!r})` outside "
     "quaxify, or move that axis to where it is contracted{align_hint}."
@@ -40,7 +42,7 @@ _DUPLICATE_RESULT_MSG = (
 )
 
 
-def _axes_of(x) -> tuple[Axis, ...]:
+def _axes_of(x) -> tuple[AxisName, ...]:
     if isinstance(x, NamedArray):
         return x.axes
     return (None,) * len(getattr(x, "shape", ()))
@@ -50,11 +52,14 @@ def _array_of(x):
     return x.array if isinstance(x, NamedArray) else x
 
 
-def _wrap(array: Array, axes) -> Array | NamedArray:
+def _wrap(array: Array, axes, *sources) -> Array | NamedArray:
+    """`array` with the names `axes`; plain if none is left. It allows
+    materialisation if every `NamedArray` among `sources` (the operands) did."""
     axes = tuple(axes)
     if all(name is None for name in axes) or len(axes) != array.ndim:
         return array
-    return NamedArray(array, axes)
+    allow = all(x.allow_materialise for x in sources if isinstance(x, NamedArray))
+    return NamedArray(array, axes, allow)
 
 
 def _is_named(x) -> bool:
@@ -73,7 +78,7 @@ def _merge_positionally(ref: list, axes: tuple) -> list | None:
     return merged if len(named) == len(set(named)) else None
 
 
-def _mismatch_detail(ref, axes) -> tuple[str, Axis, Axis]:
+def _mismatch_detail(ref, axes) -> tuple[str, AxisName, AxisName]:
     for i, (a, b) in enumerate(zip(ref, axes)):
         if a is not None and b is not None and a != b:
             return f"position {i} is {a!r} in one and {b!r} in the other", a, b
@@ -153,7 +158,7 @@ def _rule_name(primitive, suffix: str) -> str:
 
 def _make_unary_rule(primitive):
     def rule(x: NamedArray, **params):
-        return _wrap(primitive.bind(x.array, **params), x.axes)
+        return _wrap(primitive.bind(x.array, **params), x.axes, x)
 
     rule.__name__ = rule.__qualname__ = _rule_name(primitive, "named")
     return rule
@@ -162,7 +167,7 @@ def _make_unary_rule(primitive):
 def _make_nary_rule(primitive):
     def rule(*args: NamedArray | ArrayLike, **params):
         axes, arrays = align_operands(primitive, args)
-        return _wrap(primitive.bind(*arrays, **params), axes)
+        return _wrap(primitive.bind(*arrays, **params), axes, *args)
 
     rule.__name__ = rule.__qualname__ = _rule_name(primitive, "named_any")
     return rule
@@ -176,19 +181,19 @@ for _primitive in _NARY:
 
 @quaxlike.register(lax.pad_p)
 def pad_p_named_any(x: NamedArray, padding_value: ArrayLike, **params):
-    return _wrap(lax.pad_p.bind(x.array, padding_value, **params), x.axes)
+    return _wrap(lax.pad_p.bind(x.array, padding_value, **params), x.axes, x)
 
 
 @quaxlike.register(lax.dynamic_slice_p)
 def dynamic_slice_p_named_any(x: NamedArray, *indices: ArrayLike, **params):
-    return _wrap(lax.dynamic_slice_p.bind(x.array, *indices, **params), x.axes)
+    return _wrap(lax.dynamic_slice_p.bind(x.array, *indices, **params), x.axes, x)
 
 
 @quaxlike.register(lax.concatenate_p)
 def concatenate_p_named_any(*args: NamedArray | ArrayLike, **params):
     # Sizes differ along the joined axis, so names are matched by position only.
     axes, arrays = align_operands(lax.concatenate_p, args, allow_transpose=False)
-    return _wrap(lax.concatenate_p.bind(*arrays, **params), axes)
+    return _wrap(lax.concatenate_p.bind(*arrays, **params), axes, *args)
 
 
 # --- reductions --------------------------------------------------------------
@@ -197,7 +202,7 @@ def concatenate_p_named_any(*args: NamedArray | ArrayLike, **params):
 def _make_reduction_rule(primitive):
     def rule(x: NamedArray, *, axes, **params):
         remaining = [name for i, name in enumerate(x.axes) if i not in axes]
-        return _wrap(primitive.bind(x.array, axes=axes, **params), remaining)
+        return _wrap(primitive.bind(x.array, axes=axes, **params), remaining, x)
 
     rule.__name__ = rule.__qualname__ = _rule_name(primitive, "named")
     return rule
@@ -216,7 +221,7 @@ for _primitive in [
 @quaxlike.register(lax.transpose_p)
 def transpose_p_named(x: NamedArray, *, permutation, **params):
     out = lax.transpose_p.bind(x.array, permutation=permutation, **params)
-    return _wrap(out, [x.axes[i] for i in permutation])
+    return _wrap(out, [x.axes[i] for i in permutation], x)
 
 
 @quaxlike.register(lax.broadcast_in_dim_p)
@@ -228,16 +233,16 @@ def broadcast_in_dim_p_named(
     out = lax.broadcast_in_dim_p.bind(
         x.array, shape=shape, broadcast_dimensions=broadcast_dimensions, **params
     )
-    axes: list[Axis] = [None] * len(shape)
+    axes: list[AxisName] = [None] * len(shape)
     for name, dim in zip(x.axes, broadcast_dimensions):
         axes[dim] = name
-    return _wrap(out, axes)
+    return _wrap(out, axes, x)
 
 
 @quaxlike.register(lax.squeeze_p)
 def squeeze_p_named(x: NamedArray, *, dimensions, **params):
     out = lax.squeeze_p.bind(x.array, dimensions=dimensions, **params)
-    return _wrap(out, [name for i, name in enumerate(x.axes) if i not in dimensions])
+    return _wrap(out, [name for i, name in enumerate(x.axes) if i not in dimensions], x)
 
 
 @quaxlike.register(lax.reshape_p)
@@ -254,13 +259,13 @@ def reshape_p_named(x: NamedArray, *dynamic_shape: ArrayLike, new_sizes, dimensi
     names = iter(name for _, name in kept)
     axes = [None if size == 1 else next(names) for size in new_sizes]
     out = lax.reshape_p.bind(x.array, new_sizes=new_sizes, dimensions=dimensions, **params)
-    return _wrap(out, axes)
+    return _wrap(out, axes, x)
 
 
 # --- dot_general -------------------------------------------------------------
 
 
-def _align_hint(axes: tuple, name: Axis, position: int) -> str:
+def _align_hint(axes: tuple, name: AxisName, position: int) -> str:
     """`: align(w, ...)` moving `name` to `position` in `axes`, where possible."""
     if name not in axes or None in axes:
         return " (`align`)"
@@ -276,12 +281,17 @@ def dot_general_p_named(
 ):
     left, right = _axes_of(x), _axes_of(y)
     (lc, rc), (lb, rb) = dimension_numbers
-    for kind, pairs in (("contracted", zip(lc, rc)), ("batch", zip(lb, rb))):
+    for verb, verbs, kind, pairs in (
+        ("contract", "contracts", "contracted", zip(lc, rc)),
+        ("batch", "batches", "batch", zip(lb, rb)),
+    ):
         for i, j in pairs:
             a, b = left[i], right[j]
             if a is not None and b is not None and a != b:
-                raise NamedAxisError(
+                raise NamedContractionError(
                     _CONTRACT_MSG.format(
+                        verb=verb,
+                        verbs=verbs,
                         left_name=a,
                         right_name=b,
                         i=i,
@@ -307,4 +317,4 @@ def dot_general_p_named(
     out = lax.dot_general_p.bind(
         _array_of(x), _array_of(y), dimension_numbers=dimension_numbers, **params
     )
-    return _wrap(out, axes)
+    return _wrap(out, axes, x, y)

@@ -8,4 +8,5 @@ from ._functions import (
     split as split,
     uniform as uniform,
 )
+from ._quax_names import PRNG as PRNG, ThreeFry as ThreeFry
 from ._value import KeyArithmeticError as KeyArithmeticError, PRNGKeyValue as PRNGKeyValue

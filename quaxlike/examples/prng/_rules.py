@@ -17,7 +17,7 @@ from jaxtyping import ArrayLike
 
 import quaxlike
 
-from ._value import is_typed_key, key_data_struct, KeyArithmeticError, PRNGKeyValue
+from ._value import is_typed_key, key_data_struct, KeyArithmeticError, PRNGKeyValue, with_key
 
 
 def _primitive_of(fn, *example_args) -> jax.extend.core.Primitive:
@@ -64,11 +64,12 @@ def _looks_like_key_data(out: Any, key_dtype) -> bool:
 
 def _rewrap(out: Any, raw: bool, like: PRNGKeyValue) -> Any:
     """Turn a structural primitive's output back into a PRNGKeyValue where it is
-    still a key: a typed key array, or (for raw keys) uint32 data of key shape."""
+    still a key: a typed key array, or (for raw keys) uint32 data of key shape.
+    It has the class of `like` (a `ThreeFry` stays one)."""
     if is_typed_key(out):
-        return PRNGKeyValue(out, raw=raw)
+        return with_key(like, out, raw)
     if raw and _looks_like_key_data(out, like.key.dtype):
-        return PRNGKeyValue(jax.random.wrap_key_data(out, impl=like.impl), raw=True)
+        return with_key(like, jax.random.wrap_key_data(out, impl=like.impl), True)
     return out
 
 
@@ -125,18 +126,18 @@ for _primitive in _STRUCTURAL:
 @quaxlike.register(jax.extend.core.primitives.random_split_p)
 def random_split_p_prngkeyvalue(key: PRNGKeyValue, **params) -> PRNGKeyValue:
     out = jax.extend.core.primitives.random_split_p.bind(_presented(key), **params)
-    return PRNGKeyValue(out)
+    return with_key(key, out, False)
 
 
 @quaxlike.register(jax.extend.core.primitives.random_fold_in_p)
 def random_fold_in_p_prngkeyvalue(key: PRNGKeyValue, msgs: ArrayLike, **params) -> PRNGKeyValue:
     out = jax.extend.core.primitives.random_fold_in_p.bind(_presented(key), msgs, **params)
-    return PRNGKeyValue(out)
+    return with_key(key, out, False)
 
 
 @quaxlike.register(random_clone_p)
 def random_clone_p_prngkeyvalue(key: PRNGKeyValue, **params) -> PRNGKeyValue:
-    return PRNGKeyValue(random_clone_p.bind(_presented(key), **params))
+    return with_key(key, random_clone_p.bind(_presented(key), **params), False)
 
 
 # Draws: the numbers are ordinary arrays.
@@ -156,13 +157,13 @@ def random_gamma_p_prngkeyvalue(key: PRNGKeyValue, a: ArrayLike, **params) -> An
 @quaxlike.register(random_wrap_p)
 def random_wrap_p_prngkeyvalue(data: PRNGKeyValue, *, impl, **params) -> PRNGKeyValue:
     if data.raw and getattr(impl, "name", impl) == data.impl:
-        return PRNGKeyValue(data.key, raw=False)
+        return with_key(data, data.key, False)
     # Typed keys (which JAX rejects here) or data reinterpreted under another impl.
-    return PRNGKeyValue(random_wrap_p.bind(_presented(data), impl=impl, **params))
+    return with_key(data, random_wrap_p.bind(_presented(data), impl=impl, **params), False)
 
 
 @quaxlike.register(random_unwrap_p)
 def random_unwrap_p_prngkeyvalue(key: PRNGKeyValue, **params) -> Any:
     if not key.raw:
-        return PRNGKeyValue(key.key, raw=True)
+        return with_key(key, key.key, True)
     return random_unwrap_p.bind(_presented(key), **params)  # JAX rejects this

@@ -1,8 +1,9 @@
 """The `PRNGKeyValue` type: a PRNG key that refuses to be used as a number."""
 
+import dataclasses
 import functools
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Iterator, Sequence
+from typing import Any, cast, TypeVar
 
 import equinox as eqx
 import jax
@@ -40,6 +41,13 @@ _NOT_A_NUMBER_MSG = (
 _NOT_A_KEY_MSG = (
     "PRNGKeyValue needs a typed key array (from `jax.random.key`) or raw uint32 key "
     "data (from `jax.random.PRNGKey`); got an array of dtype {dtype}."
+)
+
+
+_NOT_ITERABLE_MSG = (
+    "Cannot iterate over a single PRNG key ({type_name} of key shape ()): only an "
+    "array of keys, such as the result of `split(key, n)`, unpacks into keys. Split "
+    "it first: `key, subkey = split(key)`."
 )
 
 
@@ -128,6 +136,15 @@ class PRNGKeyValue(quaxlike.ArrayValue):
     def materialise(self) -> jax.Array:
         return jax.random.key_data(self.key) if self.raw else self.key
 
+    def __iter__(self) -> Iterator["PRNGKeyValue"]:
+        # Unpacking an array of keys gives keys, as for a JAX key array
+        # (`key, subkey = split(key)`), presented the same way and of the same
+        # class. Raw key data never unpacks into its uint32 words.
+        if not self.key.shape:
+            raise TypeError(_NOT_ITERABLE_MSG.format(type_name=type(self).__qualname__))
+        for i in range(self.key.shape[0]):
+            yield with_key(self, self.key[i], self.raw)
+
     @property
     def impl(self) -> str:
         """The name of the PRNG implementation (`"threefry2x32"`, ...)."""
@@ -148,3 +165,25 @@ class PRNGKeyValue(quaxlike.ArrayValue):
                 position=position,
             )
         )
+
+
+_KeyT = TypeVar("_KeyT", bound=PRNGKeyValue)
+
+
+def with_key(like: _KeyT, key: jax.Array, raw: bool) -> _KeyT:
+    """A key of the same class as `like`, holding the typed key array `key`,
+    presented raw or typed as `raw` says.
+
+    New keys made by the rules (`split`, `fold_in`, indexing, `jnp.where`, ...)
+    go through here, so a subclass (such as `ThreeFry`) gets its own class back
+    and keeps any other fields of `like`. It does not call the subclass's
+    `__init__`, which may take other arguments (a seed).
+    """
+    if type(like) is PRNGKeyValue:
+        return cast(_KeyT, PRNGKeyValue(key, raw=raw))
+    out = object.__new__(type(like))
+    for field in dataclasses.fields(like):
+        object.__setattr__(out, field.name, getattr(like, field.name))
+    object.__setattr__(out, "key", key)
+    object.__setattr__(out, "raw", raw)
+    return out

@@ -6,6 +6,12 @@ Entries with an out-of-bounds coordinate are padding: gathers use
 `mode="fill"` (they read zero) and scatters use `mode="drop"` (they write
 nothing), so padding never needs masking except where coordinates are dropped
 (`reduce_sum` over some axes, sparse-sparse matching).
+
+A BCOO with batch dimensions (Quax's layout) keeps it through the rules that only
+change `data` (products with dense operands, negation, conversions, elementwise
+functions), through sums of two BCOOs with the same batch dimensions, and
+through broadcasting and squeezing batch dimensions. The other rules work on
+its `unbatched` form, with the batch positions as leading coordinates.
 """
 
 import jax
@@ -18,7 +24,7 @@ from jaxtyping import Array, ArrayLike
 import quaxlike
 from quaxlike.internal import output_aval
 
-from ._value import BCOO, in_bounds
+from ._value import BCOO, in_bounds, unbatched
 
 
 def _replace(
@@ -103,7 +109,7 @@ def _out_dtype(primitive, args, params):
 @quaxlike.register(lax.dot_general_p)
 def dot_general_p_bcoo_dense(x: BCOO, y: ArrayLike, *, dimension_numbers, **params) -> Array:
     dtype = _out_dtype(lax.dot_general_p, (x, y), dict(params, dimension_numbers=dimension_numbers))
-    return _sparse_dense_dot(x, jnp.asarray(y), dimension_numbers, dtype)
+    return _sparse_dense_dot(unbatched(x), jnp.asarray(y), dimension_numbers, dtype)
 
 
 @quaxlike.register(lax.dot_general_p)
@@ -113,7 +119,7 @@ def dot_general_p_dense_bcoo(x: ArrayLike, y: BCOO, *, dimension_numbers, **para
     dtype = _out_dtype(lax.dot_general_p, (x, y), dict(params, dimension_numbers=dimension_numbers))
     x = jnp.asarray(x)
     (lc, rc), (lb, rb) = dimension_numbers
-    swapped = _sparse_dense_dot(y, x, ((rc, lc), (rb, lb)), dtype)
+    swapped = _sparse_dense_dot(unbatched(y), x, ((rc, lc), (rb, lb)), dtype)
     n_batch = len(lb)
     n_y_free = y.ndim - len(rc) - len(rb)
     n_x_free = x.ndim - len(lc) - len(lb)
@@ -127,6 +133,7 @@ def dot_general_p_bcoo_bcoo(x: BCOO, y: BCOO, *, dimension_numbers, **params) ->
     # Every pair of entries that agree on their batch and contracting coordinates
     # gives one entry of the result: nse_x * nse_y slots, unmatched ones zero.
     dtype = _out_dtype(lax.dot_general_p, (x, y), dict(params, dimension_numbers=dimension_numbers))
+    x, y = unbatched(x), unbatched(y)
     (lc, rc), (lb, rb) = dimension_numbers
     lfree = [d for d in range(x.ndim) if d not in lc and d not in lb]
     rfree = [d for d in range(y.ndim) if d not in rc and d not in rb]
@@ -159,10 +166,30 @@ def dot_general_p_bcoo_bcoo(x: BCOO, y: BCOO, *, dimension_numbers, **params) ->
 
 
 def _scatter_into(x: BCOO, dense: ArrayLike, out_aval, sign: int) -> Array:
+    x = unbatched(x)
     base = jnp.broadcast_to(lax.convert_element_type(dense, out_aval.dtype), out_aval.shape)
     data = x.data.astype(out_aval.dtype)
     data = -data if sign < 0 else data
     return base.at[_coordinates(x, range(x.ndim))].add(data, mode="drop")
+
+
+def _broadcast_batch(x: BCOO, shape: tuple[int, ...]) -> BCOO | None:
+    """`x` with its batch dimensions broadcast to those of `shape`, or None if
+    `shape` differs elsewhere (a sparse dimension would have to grow)."""
+    n_batch = x.n_batch
+    if x.shape == shape:
+        return x
+    if len(shape) != x.ndim or shape[n_batch:] != x.shape[n_batch:]:
+        return None
+    if any(size not in (1, full) for size, full in zip(x.shape[:n_batch], shape)):
+        return None
+    batch = shape[:n_batch]
+    return _replace(
+        x,
+        jnp.broadcast_to(x.data, (*batch, x.nse)),
+        jnp.broadcast_to(x.indices, (*batch, *x.indices.shape[n_batch:])),
+        shape,
+    )
 
 
 def _add_sparse(x: BCOO, y: BCOO, y_data, dtype) -> BCOO:
@@ -170,55 +197,73 @@ def _add_sparse(x: BCOO, y: BCOO, y_data, dtype) -> BCOO:
     allow = x.allow_materialise and y.allow_materialise
     if _same_pattern(x, y):
         return _replace(x, x.data.astype(dtype) + y_data.astype(dtype), allow_materialise=allow)
-    # Different patterns: store both sets of entries (duplicates add up).
+    # Different patterns: store both sets of entries (duplicates add up), per
+    # batch element when both have the same batch dimensions.
+    if x.n_batch != y.n_batch:
+        y_data = y_data.reshape(-1)
+        x, y = unbatched(x), unbatched(y)
     return BCOO(
-        jnp.concatenate([x.data.astype(dtype), y_data.astype(dtype)]),
-        jnp.concatenate([x.indices, y.indices.astype(x.indices.dtype)]),
+        jnp.concatenate([x.data.astype(dtype), y_data.astype(dtype)], axis=-1),
+        jnp.concatenate([x.indices, y.indices.astype(x.indices.dtype)], axis=-2),
         x.shape,
-        allow_materialise=allow,
+        allow,
     )
 
 
-# A dense operand may broadcast along size-1 dimensions (`lax.add` allows it); one
-# that would broadcast the sparse operand is left to the default.
+def _same_shape(primitive, x: BCOO, y: BCOO, params) -> tuple[BCOO, BCOO] | None:
+    """Both operands at the result's shape (broadcasting size-1 batch
+    dimensions, as `lax.add` does), or None where a sparse dimension differs."""
+    shape = tuple(output_aval(primitive, (x, y), params).shape)
+    x2, y2 = _broadcast_batch(x, shape), _broadcast_batch(y, shape)
+    return None if x2 is None or y2 is None else (x2, y2)
+
+
+# A dense operand may broadcast along size-1 dimensions (`lax.add` allows it), and
+# so may the sparse operand's size-1 batch dimensions; one that would grow a
+# sparse dimension is left to the default.
 
 
 @quaxlike.register([lax.add_p, "add_any"])
 def add_p_bcoo_dense(x: BCOO, y: ArrayLike, **params):
     out_aval = output_aval(lax.add_p, (x, y), params)
-    if out_aval.shape != x.shape:
+    sparse = _broadcast_batch(x, tuple(out_aval.shape))
+    if sparse is None:
         return NotImplemented
-    return _scatter_into(x, y, out_aval, sign=1)
+    return _scatter_into(sparse, y, out_aval, sign=1)
 
 
 @quaxlike.register([lax.add_p, "add_any"])
 def add_p_bcoo_bcoo(x: BCOO, y: BCOO, **params):
-    if x.shape != y.shape:
+    both = _same_shape(lax.add_p, x, y, params)
+    if both is None:
         return NotImplemented
-    return _add_sparse(x, y, y.data, _out_dtype(lax.add_p, (x, y), params))
+    return _add_sparse(*both, both[1].data, _out_dtype(lax.add_p, (x, y), params))
 
 
 @quaxlike.register(lax.sub_p)
 def sub_p_bcoo_dense(x: BCOO, y: ArrayLike, **params):
     out_aval = output_aval(lax.sub_p, (x, y), params)
-    if out_aval.shape != x.shape:
+    sparse = _broadcast_batch(x, tuple(out_aval.shape))
+    if sparse is None:
         return NotImplemented
-    return _scatter_into(x, lax.neg(jnp.asarray(y)), out_aval, sign=1)
+    return _scatter_into(sparse, lax.neg(jnp.asarray(y)), out_aval, sign=1)
 
 
 @quaxlike.register(lax.sub_p)
 def sub_p_dense_bcoo(x: ArrayLike, y: BCOO, **params):
     out_aval = output_aval(lax.sub_p, (x, y), params)
-    if out_aval.shape != y.shape:
+    sparse = _broadcast_batch(y, tuple(out_aval.shape))
+    if sparse is None:
         return NotImplemented
-    return _scatter_into(y, x, out_aval, sign=-1)
+    return _scatter_into(sparse, x, out_aval, sign=-1)
 
 
 @quaxlike.register(lax.sub_p)
 def sub_p_bcoo_bcoo(x: BCOO, y: BCOO, **params):
-    if x.shape != y.shape:
+    both = _same_shape(lax.sub_p, x, y, params)
+    if both is None:
         return NotImplemented
-    return _add_sparse(x, y, -y.data, _out_dtype(lax.sub_p, (x, y), params))
+    return _add_sparse(*both, -both[1].data, _out_dtype(lax.sub_p, (x, y), params))
 
 
 # --- mul and div ---------------------------------------------------------------
@@ -227,8 +272,10 @@ def sub_p_bcoo_bcoo(x: BCOO, y: BCOO, **params):
 def _dense_at_entries(x: BCOO, y: ArrayLike) -> Array | None:
     """`y` read at each stored entry of `x`, for `y` that broadcasts to `x`'s shape
     (a scalar, `x`'s shape, or size-1 dimensions); None for a `y` that would
-    broadcast `x` (left to the default)."""
+    broadcast `x` (left to the default). Shaped like `x.data`, or a scalar."""
     y = jnp.asarray(y)
+    data_shape = x.data.shape
+    x = unbatched(x)
     if y.ndim > x.ndim:
         return None
     y_shape = (1,) * (x.ndim - y.ndim) + y.shape
@@ -239,7 +286,7 @@ def _dense_at_entries(x: BCOO, y: ArrayLike) -> Array | None:
     y = y.reshape([y_shape[d] for d in kept])
     if not kept:
         return y
-    return _gather(y, _coordinates(x, kept))
+    return _gather(y, _coordinates(x, kept)).reshape(data_shape)
 
 
 @quaxlike.register(lax.mul_p)
@@ -255,19 +302,23 @@ def mul_p_bcoo_dense(x: BCOO, y: ArrayLike, **params):
 
 @quaxlike.register(lax.mul_p)
 def mul_p_bcoo_bcoo(x: BCOO, y: BCOO, **params):
-    if x.shape != y.shape:
+    both = _same_shape(lax.mul_p, x, y, params)
+    if both is None:
         return NotImplemented
     dtype = _out_dtype(lax.mul_p, (x, y), params)
+    x, y = both
     allow = x.allow_materialise and y.allow_materialise
     if x.unique_indices and y.unique_indices and _same_pattern(x, y):
         return _replace(x, x.data.astype(dtype) * y.data.astype(dtype), allow_materialise=allow)
     # Different (or possibly repeated) coordinates: read y's value at each entry of
     # x by matching coordinates, at a cost of nse_x * nse_y; the result keeps x's
     # pattern. Repeated coordinates in y add up, those in x distribute.
+    fx, fy = unbatched(x), unbatched(y)
     match = _match(
-        x.indices, in_bounds(x.indices, x.shape), y.indices, in_bounds(y.indices, y.shape)
+        fx.indices, in_bounds(fx.indices, x.shape), fy.indices, in_bounds(fy.indices, y.shape)
     )
-    y_at_x = jnp.sum(jnp.where(match, y.data.astype(dtype)[None, :], jnp.zeros((), dtype)), 1)
+    y_at_x = jnp.sum(jnp.where(match, fy.data.astype(dtype)[None, :], jnp.zeros((), dtype)), 1)
+    y_at_x = y_at_x.reshape(x.data.shape)
     return _replace(x, x.data.astype(dtype) * y_at_x, allow_materialise=allow)
 
 
@@ -296,6 +347,7 @@ def stop_gradient_p_bcoo(x: BCOO, **params) -> BCOO:
 
 @quaxlike.register(lax.transpose_p)
 def transpose_p_bcoo(x: BCOO, *, permutation, **params) -> BCOO:
+    x = unbatched(x)
     permutation = tuple(permutation)
     shape = tuple(x.shape[d] for d in permutation)
     return _replace(x, x.data, _columns(x.indices, permutation), shape)
@@ -303,6 +355,7 @@ def transpose_p_bcoo(x: BCOO, *, permutation, **params) -> BCOO:
 
 @quaxlike.register(lax.reduce_sum_p)
 def reduce_sum_p_bcoo(x: BCOO, *, axes, **params) -> Array | BCOO:
+    x = unbatched(x)
     kept = [d for d in range(x.ndim) if d not in axes]
     # Dropping coordinates could bring a padding entry in bounds: zero it first.
     data = jnp.where(in_bounds(x.indices, x.shape), x.data, jnp.zeros((), x.dtype))
@@ -310,6 +363,53 @@ def reduce_sum_p_bcoo(x: BCOO, *, axes, **params) -> Array | BCOO:
         return jnp.sum(data)
     shape = tuple(x.shape[d] for d in kept)
     return _replace(x, data, _columns(x.indices, kept), shape, unique_indices=False)
+
+
+# --- batch dimensions ------------------------------------------------------------
+
+
+@quaxlike.register(lax.broadcast_in_dim_p)
+def broadcast_in_dim_p_bcoo(
+    x: BCOO, *dynamic_shape: ArrayLike, shape, broadcast_dimensions, **params
+) -> BCOO:
+    # New leading dimensions, and size-1 batch dimensions grown, become batch
+    # dimensions: `data` and `indices` are broadcast, the sparse part is kept.
+    # (This is how NumPy broadcasting meets a BCOO: `x + y` with `y` of higher
+    # rank.) Growing a sparse dimension has no rule.
+    shape = tuple(shape)
+    n_new = len(shape) - x.ndim
+    if dynamic_shape or tuple(broadcast_dimensions) != tuple(range(n_new, len(shape))):
+        return NotImplemented
+    n_batch = x.n_batch
+    if shape[n_new + n_batch :] != x.shape[n_batch:]:
+        return NotImplemented
+    batch = shape[: n_new + n_batch]
+    if any(size not in (1, full) for size, full in zip(x.shape[:n_batch], batch[n_new:])):
+        return NotImplemented
+    return _replace(
+        x,
+        jnp.broadcast_to(x.data, (*batch, x.nse)),
+        jnp.broadcast_to(x.indices, (*batch, *x.indices.shape[n_batch:])),
+        shape,
+    )
+
+
+@quaxlike.register(lax.squeeze_p)
+def squeeze_p_bcoo(x: BCOO, *, dimensions, **params) -> BCOO:
+    dimensions = tuple(dimensions)
+    shape = tuple(size for d, size in enumerate(x.shape) if d not in dimensions)
+    if not shape:
+        return NotImplemented  # a scalar is not a BCOO
+    if all(d < x.n_batch for d in dimensions):
+        return _replace(
+            x, jnp.squeeze(x.data, dimensions), jnp.squeeze(x.indices, dimensions), shape
+        )
+    # A sparse dimension of length 1 goes: its column of `indices` is dropped,
+    # after zeroing the padding entries it alone kept out of bounds.
+    x = unbatched(x)
+    data = jnp.where(in_bounds(x.indices, x.shape), x.data, jnp.zeros((), x.dtype))
+    kept = [d for d in range(x.ndim) if d not in dimensions]
+    return _replace(x, data, _columns(x.indices, kept), shape)
 
 
 @quaxlike.register(lax.convert_element_type_p)

@@ -20,10 +20,12 @@ _REFUSE_MSG = (
     "rule fall back to it."
 )
 _BAD_SHAPES_MSG = (
-    "BCOO: `data` must have shape (nse,) and `indices` shape (nse, len(shape)); got "
-    "data of shape {data}, indices of shape {indices} for shape {shape}. Every "
-    "dimension of a BCOO is sparse (no batch or dense dimensions); to hold a batch "
-    "of sparse arrays, build them with `jax.vmap(lambda x: BCOO.fromdense(x, nse=...))`."
+    "BCOO: `data` must have shape (*batch, nse) and `indices` shape (*batch, nse, "
+    "n_sparse), where `shape` is (*batch, *sparse) with n_sparse >= 1 sparse "
+    "dimensions; got data of shape {data}, indices of shape {indices} for shape "
+    "{shape}. Without batch dimensions that is data (nse,) and indices (nse, "
+    "len(shape)); with them, the leading dimensions of `shape` must equal those of "
+    "`data` and `indices`."
 )
 _BAD_INDICES_DTYPE_MSG = "BCOO: `indices` must have an integer dtype; got {dtype}."
 _SCALAR_MSG = "BCOO needs at least one dimension; got shape (). Keep a scalar as an ordinary array."
@@ -62,8 +64,11 @@ class BCOO(quaxlike.ArrayValue):
 
     Entries with the same coordinates add up; entries with a coordinate outside
     `shape` are padding and are ignored (this is how `fromdense` fills `nse` slots
-    when there are fewer nonzeros). Every dimension is sparse: unlike
-    `jax.experimental.sparse.BCOO` there are no batch or dense dimensions.
+    when there are fewer nonzeros). Leading batch dimensions are allowed, in the
+    layout of Quax's and `jax.experimental.sparse`'s BCOO: with `shape = (*batch,
+    *sparse)`, `data` has shape `(*batch, nse)` and `indices` `(*batch, nse,
+    len(sparse))`, each batch element storing its own `nse` entries. There are no
+    dense dimensions.
 
     Matrix products with dense arrays, elementwise products, sums, negation,
     transposes, reductions with `sum` and dtype conversions keep to the stored
@@ -73,14 +78,16 @@ class BCOO(quaxlike.ArrayValue):
 
     **Arguments:**
 
-    - `data`: the stored values, shape `(nse,)`.
-    - `indices`: their coordinates, an integer array of shape `(nse, len(shape))`.
-    - `shape`: the shape of the array this stands for (at least one dimension).
-    - `unique_indices`: a promise that no two in-bounds entries share coordinates;
-        it lets elementwise operations act on `data` directly. Leave it `False`
-        unless you know.
+    - `data`: the stored values, shape `(nse,)` (or `(*batch, nse)`).
+    - `indices`: their coordinates, an integer array of shape `(nse, len(shape))`
+        (or `(*batch, nse, n_sparse)`).
+    - `shape`: the shape of the array this stands for (at least one sparse
+        dimension).
     - `allow_materialise`: whether an operation with no sparse rule may build the
         dense array (otherwise it raises).
+    - `unique_indices`: a promise that no two in-bounds entries share coordinates
+        (within a batch element); it lets elementwise operations act on `data`
+        directly. Leave it `False` unless you know.
 
     !!! example
 
@@ -100,14 +107,15 @@ class BCOO(quaxlike.ArrayValue):
     unique_indices: bool = eqx.field(static=True)
     allow_materialise: bool = eqx.field(static=True)
 
+    # `allow_materialise` may be given by position, as in Quax's BCOO.
     def __init__(
         self,
         data: ArrayLike,
         indices: ArrayLike,
         shape: Sequence[int],
+        allow_materialise: bool = False,
         *,
         unique_indices: bool = False,
-        allow_materialise: bool = False,
     ):
         data = jnp.asarray(data)
         indices = jnp.asarray(indices)
@@ -116,7 +124,15 @@ class BCOO(quaxlike.ArrayValue):
             raise ValueError(_SCALAR_MSG)
         if not jnp.issubdtype(indices.dtype, jnp.integer):
             raise ValueError(_BAD_INDICES_DTYPE_MSG.format(dtype=indices.dtype))
-        if data.ndim != 1 or indices.shape != (data.shape[0], len(shape)):
+        n_batch = data.ndim - 1
+        if (
+            data.ndim < 1
+            or indices.ndim != data.ndim + 1
+            or indices.shape[:-1] != data.shape
+            or data.shape[:-1] != shape[:n_batch]
+            or indices.shape[-1] < 1
+            or n_batch + indices.shape[-1] != len(shape)
+        ):
             raise ValueError(
                 _BAD_SHAPES_MSG.format(data=data.shape, indices=indices.shape, shape=shape)
             )
@@ -128,8 +144,39 @@ class BCOO(quaxlike.ArrayValue):
 
     @property
     def nse(self) -> int:
-        """The number of stored entries (padding included)."""
+        """The number of stored entries (padding included; per batch element)."""
         return self.data.shape[-1]
+
+    @property
+    def n_batch(self) -> int:
+        """The number of leading batch dimensions (0 unless built with them)."""
+        return len(self._shape) - self.indices.shape[-1]
+
+    def enable_materialise(self, allow_materialise: bool = True) -> "BCOO":
+        """The same BCOO with `allow_materialise` set (Quax's method).
+
+        **Arguments:**
+
+        - `allow_materialise`: the new setting.
+
+        **Returns:**
+
+        A `BCOO` with the same entries.
+
+        !!! example
+
+            ```python
+            x = BCOO.fromdense(jnp.array([0.0, 2.0]))
+            assert jnp.array_equal(x.enable_materialise().materialise(), jnp.array([0.0, 2.0]))
+            ```
+        """
+        return BCOO(
+            self.data,
+            self.indices,
+            self._shape,
+            allow_materialise,
+            unique_indices=self.unique_indices,
+        )
 
     def aval(self) -> ShapedArray:
         return ShapedArray(self._shape, self.data.dtype)
@@ -141,9 +188,10 @@ class BCOO(quaxlike.ArrayValue):
 
     def todense(self) -> Array:
         """The dense array this stands for (always allowed: you asked for it)."""
-        coordinates = tuple(self.indices[:, d] for d in range(len(self._shape)))
+        flat = unbatched(self)
+        coordinates = tuple(flat.indices[:, d] for d in range(len(self._shape)))
         zeros = jnp.zeros(self._shape, self.data.dtype)
-        return zeros.at[coordinates].add(self.data, mode="drop")
+        return zeros.at[coordinates].add(flat.data, mode="drop")
 
     @classmethod
     def fromdense(
@@ -194,3 +242,27 @@ class BCOO(quaxlike.ArrayValue):
             unique_indices=True,
             allow_materialise=allow_materialise,
         )
+
+
+def unbatched(x: BCOO) -> BCOO:
+    """The same array with no batch dimensions: each batch element's entries
+    become entries of the whole array, their batch position prepended to their
+    coordinates (`nse` times the batch size of them). Exact: padding stays
+    out of bounds, and unique coordinates stay unique."""
+    n_batch = x.n_batch
+    if n_batch == 0:
+        return x
+    batch, nse = x.shape[:n_batch], x.nse
+    positions = jnp.stack(
+        jnp.meshgrid(*(jnp.arange(b, dtype=x.indices.dtype) for b in batch), indexing="ij"),
+        axis=-1,
+    )
+    positions = jnp.broadcast_to(positions[..., None, :], (*batch, nse, n_batch))
+    indices = jnp.concatenate([positions, x.indices], axis=-1).reshape(-1, len(x.shape))
+    return BCOO(
+        x.data.reshape(-1),
+        indices,
+        x.shape,
+        x.allow_materialise,
+        unique_indices=x.unique_indices,
+    )

@@ -2,10 +2,12 @@
 
 Rules handle single (unbatched) matrices; a batch of structured matrices reaches
 them one matrix at a time under `jax.vmap`, and otherwise falls back to the
-dense array. Every rule ends by converting to the dtype the primitive would
+dense array. Products with a dense operand are the exception: they map over the
+batch dimensions themselves (as Quax's `TridiagonalMatrix` does). Every rule ends by converting to the dtype the primitive would
 give (worked out with `output_aval`), so mixed dtypes behave as in plain JAX.
 """
 
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
@@ -60,32 +62,64 @@ def _single_contraction(dimension_numbers) -> bool:
     return len(lc) == 1 and not lb
 
 
+def _structured_dot_dense(x: StructuredMatrix, y: Array, dimension_numbers) -> Array | None:
+    """`dot_general(x, y)` for a structured `x`, with any batch dimensions, in
+    `O(n)` per column; None when it contracts other than one matrix axis of `x`,
+    or pairs a matrix axis as a batch axis.
+
+    dot_general's result has the paired batch axes, then `x`'s free axes (its
+    unpaired batch axes, then its other matrix axis), then `y`'s free axes. So:
+    order `x`'s batch axes as (paired, unpaired), move `y`'s paired and
+    contracted axes to the front, and map `matvec` over the batch axes."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    k = len(x.batch_shape)
+    if len(lc) != 1 or lc[0] not in (k, k + 1) or any(d >= k for d in lb):
+        return None
+    unpaired = [d for d in range(k) if d not in lb]
+    order = (*lb, *unpaired)
+    if order != tuple(range(k)):
+        x = jtu.tree_map(lambda leaf: jnp.transpose(leaf, (*order, *range(k, leaf.ndim))), x)
+    # Contracting the columns of x is x @ y; contracting its rows is x.T @ y.
+    a = x if lc[0] == k + 1 else x.transpose()
+    rest = [d for d in range(y.ndim) if d not in rb and d != rc[0]]
+    y = jnp.transpose(y, (*rb, rc[0], *rest))
+    matvec = lambda a, v: a.matvec(v)  # noqa: E731
+    for _ in unpaired:
+        matvec = jax.vmap(matvec, in_axes=(0, None))
+    for _ in lb:
+        matvec = jax.vmap(matvec, in_axes=(0, 0))
+    return matvec(a, y)
+
+
 @quaxlike.register(lax.dot_general_p)
 def dot_general_p_structured_dense(
     x: StructuredMatrix, y: ArrayLike, *, dimension_numbers, **params
 ):
-    if x.batch_shape or not _single_contraction(dimension_numbers):
+    out = _structured_dot_dense(x, jnp.asarray(y), dimension_numbers)
+    if out is None:
         return NotImplemented
-    (lc, rc), _ = dimension_numbers
     dtype = _dtype_of(lax.dot_general_p, (x, y), dict(params, dimension_numbers=dimension_numbers))
-    # Contracting the columns of x is x @ y; contracting its rows is x.T @ y.
-    a = x if tuple(lc) == (1,) else x.transpose()
-    # dot_general puts x's free axis first, then y's free axes in order.
-    return a.matvec(jnp.moveaxis(y, rc[0], 0)).astype(dtype)
+    return out.astype(dtype)
 
 
 @quaxlike.register(lax.dot_general_p)
 def dot_general_p_dense_structured(
     x: ArrayLike, y: StructuredMatrix, *, dimension_numbers, **params
 ):
-    if y.batch_shape or not _single_contraction(dimension_numbers):
+    # dot_general(x, y) has axes (batch, x free, y free); compute dot_general(y,
+    # x), with axes (batch, y free, x free), and swap the free parts.
+    x = jnp.asarray(x)
+    (lc, rc), (lb, rb) = dimension_numbers
+    swapped = _structured_dot_dense(y, x, ((rc, lc), (rb, lb)))
+    if swapped is None:
         return NotImplemented
-    (lc, rc), _ = dimension_numbers
     dtype = _dtype_of(lax.dot_general_p, (x, y), dict(params, dimension_numbers=dimension_numbers))
-    # Contracting the rows of y: sum_i x[i] y[i, j] = (y.T @ x)[j].
-    a = y.transpose() if tuple(rc) == (0,) else y
-    out = a.matvec(jnp.moveaxis(x, lc[0], 0))
-    return jnp.moveaxis(out, 0, -1).astype(dtype)
+    n_batch = len(lb)
+    n_y_free = y.ndim - len(rc) - len(rb)
+    n_x_free = x.ndim - len(lc) - len(lb)
+    y_free = range(n_batch, n_batch + n_y_free)
+    x_free = range(n_batch + n_y_free, n_batch + n_y_free + n_x_free)
+    return jnp.transpose(swapped, (*range(n_batch), *x_free, *y_free)).astype(dtype)
 
 
 @quaxlike.register(lax.dot_general_p)

@@ -376,11 +376,19 @@ class TriDiagonal(_StoresDiagonal):
 
 
 def as_kind(a: StructuredMatrix, kind: int) -> StructuredMatrix:
-    """`a` as the structured type of the given `_kind` (at least its own)."""
-    if kind <= a._kind:
+    """`a` as the structured type of the given `_kind` (at least its own).
+
+    The result is always one of the four types here, never a subclass (such as
+    `structured_matrices.TridiagonalMatrix`), so that two operands converted to
+    the same kind have the same PyTree structure."""
+    kind = max(kind, a._kind)
+    if type(a) in (Identity, ScaledIdentity, Diagonal, TriDiagonal) and kind == a._kind:
         return a
+    if kind == Identity._kind:
+        return Identity(a.n, a.dtype)
     if kind == ScaledIdentity._kind:
-        return ScaledIdentity(jnp.ones(a.batch_shape, a.dtype), a.n)
+        scale = a.scale if isinstance(a, ScaledIdentity) else jnp.ones(a.batch_shape, a.dtype)
+        return ScaledIdentity(scale, a.n)
     if kind == Diagonal._kind:
         return Diagonal(a.diagonal())
     return TriDiagonal(a.lower_band(), a.diagonal(), a.upper_band())

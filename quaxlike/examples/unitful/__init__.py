@@ -1,6 +1,14 @@
 """Arrays with physical units: `Unitful(array, unit)`, with a small unit algebra."""
 
 from . import _rules  # noqa: F401  (registers Unitful's rules)
+from ._quax_names import (
+    as_unit as as_unit,
+    Dimension as Dimension,
+    kilograms as kilograms,
+    meters as meters,
+    seconds as seconds,
+    units_of as units_of,
+)
 from ._unit import (
     A as A,
     cm as cm,
