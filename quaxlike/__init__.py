@@ -22,3 +22,17 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0+unknown"
 
 from . import lax as lax, numpy as numpy  # noqa: E402  (they use the names above)
+
+
+# As in Quax, the example types are reachable after a bare `import quaxlike`,
+# loaded on first use: `quaxlike.examples.zero`, and `quaxlike.lora` and the like
+# as short names for `quaxlike.examples.lora`.
+def __getattr__(name: str):
+    import importlib
+
+    examples = importlib.import_module(".examples", __name__)
+    if name == "examples":
+        return examples
+    if name in examples._NAMES:
+        return getattr(examples, name)
+    raise AttributeError(f"module 'quaxlike' has no attribute {name!r}")

@@ -1,3 +1,26 @@
 """Ready-made Value types. Each lives in its own subpackage with a README
 describing it: `lora`, `zero`, `constant`, `quantized`, `sparse`, `structured`,
-`named`, `unitful` and `prng` (for example `quaxlike.examples.lora`)."""
+`structured_matrices`, `named`, `unitful` and `prng` (for example
+`quaxlike.examples.lora`). Each is imported on first use, as in Quax."""
+
+import importlib
+
+
+_NAMES = (
+    "constant",
+    "lora",
+    "named",
+    "prng",
+    "quantized",
+    "sparse",
+    "structured",
+    "structured_matrices",
+    "unitful",
+    "zero",
+)
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,118 @@
+"""What code written for Quax relies on, beyond the names: the builtin exception
+types it catches, `size`/`ndim` read from `aval()`, and the example types
+reachable from a bare `import quaxlike`. (Unannotated rule arguments are in
+test_dispatch.py, eager mode in test_eager_mode.py, the example types' Quax
+names in tests/examples/test_quax_names.py.)"""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import randn
+
+import quaxlike
+from quaxlike.examples.lora import LoraArray
+
+
+def _overriding_type():
+    """A fresh type named `Foo` whose `default` runs the primitive on its array;
+    two calls make two distinct classes sharing one name."""
+
+    class Foo(quaxlike.ArrayValue):
+        array: jax.Array
+
+        def aval(self):
+            return jax.typeof(self.array)
+
+        def materialise(self):
+            return self.array
+
+        @staticmethod
+        def default(primitive, values, params):
+            arrays = [v.array if isinstance(v, quaxlike.Value) else v for v in values]
+            return primitive.bind(*arrays, **params)
+
+    return Foo
+
+
+def test_two_types_overriding_default_is_a_type_error_naming_both():
+    foo1, foo2 = _overriding_type(), _overriding_type()
+    x = randn(0, (2,))
+    with pytest.raises(TypeError) as info:
+        quaxlike.quaxify(lambda a, b: a + b)(foo1(x), foo2(x))
+    assert isinstance(info.value, quaxlike.QuaxlikeError)
+    message = str(info.value)
+    # Same module and name: the message tells the two classes apart.
+    assert f"{id(foo1):#x}" in message and f"{id(foo2):#x}" in message
+
+
+def test_a_refusal_to_materialise_is_a_runtime_error():
+    weight = LoraArray(randn(1, (3, 3)), rank=2, key=jax.random.key(0))
+    with pytest.raises(RuntimeError, match="LoraArray"):
+        quaxlike.quaxify(jax.nn.relu)(weight)
+
+
+def test_an_ambiguity_is_a_lookup_error():
+    class Left(quaxlike.DenseArrayValue):
+        pass
+
+    class Right(quaxlike.DenseArrayValue):
+        pass
+
+    @quaxlike.register(jax.lax.atan2_p)
+    def atan2_p_left_any(x: Left, y: jax.Array | quaxlike.Value, **params):
+        return x.array
+
+    @quaxlike.register(jax.lax.atan2_p)
+    def atan2_p_any_right(x: jax.Array | quaxlike.Value, y: Right, **params):
+        return y.array
+
+    x = randn(2, (2,))
+    with pytest.raises(LookupError):
+        quaxlike.quaxify(jnp.arctan2)(Left(x), Right(x))
+
+
+class _Vector(quaxlike.ArrayValue):
+    """As in a coordinates library: `shape` is the batch shape, and the aval has
+    a trailing component axis."""
+
+    components: jax.Array  # (*batch, 3)
+
+    @property
+    def shape(self):
+        return self.components.shape[:-1]
+
+    def aval(self):
+        return jax.typeof(self.components)
+
+    def materialise(self):
+        return self.components
+
+
+def test_size_and_ndim_follow_the_aval_not_shape():
+    v = _Vector(jnp.zeros((1, 2, 3), jnp.int32))
+    assert v.shape == (1, 2)
+    assert v.size == 6 and v.ndim == 3
+    dense = np.zeros((1, 2, 3), np.int32)
+    assert (v.size, v.ndim) == (dense.size, dense.ndim)
+
+
+def test_examples_are_attributes_of_a_bare_import():
+    # A fresh interpreter: nothing imported the examples yet.
+    code = (
+        "import quaxlike, sys\n"
+        "assert 'quaxlike.examples.lora' not in sys.modules\n"
+        "assert quaxlike.examples.zero.Zero is quaxlike.zero.Zero\n"
+        "assert quaxlike.lora.LoraArray.__name__ == 'LoraArray'\n"
+        "try:\n"
+        "    quaxlike.not_a_thing\n"
+        "except AttributeError as e:\n"
+        "    assert 'not_a_thing' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
