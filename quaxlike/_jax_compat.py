@@ -17,12 +17,13 @@ Inventory (what, what for, where it exists, fallback):
 | name | used for | found in | fallback |
 |---|---|---|---|
 | `Trace`, `Tracer` | base classes of QuaxTrace/QuaxTracer | `jax._src.core` (all); `jax.core` | public `jax.core`; else stand-in classes, quaxify raises |
-| `Tracer.__init__(trace[, aval])` | tracer construction | takes `aval` from 0.10; before, `aval` is the subclass's own slot | `TRACER_TAKES_AVAL` probe picks the call; QuaxTracer adds an `aval` slot when the base has none |
+| `Tracer.__init__(trace[, aval])` | tracer construction | takes `aval` from 0.10; before, `aval` is the subclass's own slot | `tracer_initialiser` picks the call by the signature; QuaxTracer adds an `aval` slot when the base has none |
 | `set_current_trace`, `take_current_trace` | entering/leaving a trace | `jax.extend.core` from 0.9/0.10; `jax._src.core` in all | the other module; else raises |
-| `trace_ctx.trace` | reading the current trace cheaply | `jax._src.core` (all) | `unsafe_get_current_trace()`, then `find_top_trace(())` |
+| `trace_ctx.trace` | reading the current trace cheaply | `jax._src.core` (all) | `current_trace_reader`: `unsafe_get_current_trace()`, then `find_top_trace(())` |
 | `EvalTrace` | "is this eager?" | `jax._src.core` (all) | none is eager (always the traced paths) |
 | `pytype_aval_mappings` | `jax.typeof` fast path for QuaxTracer | `jax._src.core` (all) | skipped (JAX walks the MRO) |
 | `scan_p` params | consts/carry counts | `num_consts`, `num_carry` up to 0.10; `ft_in` flat trees from 0.11 | `scan_layout` reads both; else raises |
+| custom_vjp hook's `bwd` output | calling a user's `bwd` on Values | the cotangents up to 0.10; `(cotangents, logs)` from 0.11 (`_flatten_bwd` has `with_logs`) | `custom_vjp_cotangents` unpacks both |
 | `jit_p` param `inline` | "inlined at trace time?" | `bool` up to 0.10; `jax.Inline` enum from 0.11 (`JAX_EARLY` inlines) | `jit_inlines_at_trace` normalises both; unknown values count as not inlined |
 | `jit_p`, `closed_call_p`, `call_p`, `custom_jvp_call_p`, `custom_vjp_call_p` | higher-order rules | `jax.extend.core.primitives` (all) | `jax._src.pjit` / `jax._src.core` / `jax._src.custom_derivatives`; else an inert stand-in primitive |
 | `remat_p` | `jax.checkpoint` rule | `jax.extend.core.primitives` from 0.8; `jax._src.ad_checkpoint` (all) | stand-in |
@@ -35,7 +36,7 @@ Inventory (what, what for, where it exists, fallback):
 | `leaked_tracer_error` | JAX's own leak message | `jax._src.core` (all) | a plain `Exception` with the same facts |
 | `source_info_util`, `traceback_util` | hiding quaxlike's frames, finding the user's line | `jax._src` (all) | no filtering; the outermost non-library frame |
 | `linear_util.wrap_init`, `api_util.debug_info` | `WrappedFun`s for old-style `shard_map` bodies | `jax._src` (all) | raises when that path is needed |
-| `Primitive.bind_with_trace` | running an equation in a given trace | `(trace, args, params)` up to 0.8; `(trace, args, avals, params)` from 0.9 | `BIND_WITH_TRACE_TAKES_AVALS` probe picks the call |
+| `Primitive.bind_with_trace` | running an equation in a given trace | `(trace, args, params)` up to 0.8; `(trace, args, avals, params)` from 0.9 | `binder` picks the call by the signature |
 
 A shortcut that a probe turns off is reported by `disabled_shortcuts()`.
 """
@@ -163,17 +164,14 @@ else:
 Ref: Any = _first((_core, "Ref")) or ()
 
 
-def _tracer_takes_aval() -> bool:
-    try:
-        code = Tracer.__init__.__code__
-    except AttributeError:
-        return False
-    return code.co_argcount >= 3
+def _init_takes_aval(tracer_class) -> bool:
+    code = getattr(getattr(tracer_class, "__init__", None), "__code__", None)
+    return code is not None and code.co_argcount >= 3
 
 
 # `Tracer.__init__(self, trace, aval)` from jax 0.10; `(self, trace)` before,
 # when the subclass provides `aval` itself.
-TRACER_TAKES_AVAL = _tracer_takes_aval()
+TRACER_TAKES_AVAL = _init_takes_aval(Tracer)
 
 
 def _slots_of(cls) -> set:
@@ -188,13 +186,20 @@ def _slots_of(cls) -> set:
 TRACER_NEEDS_AVAL_SLOT = "aval" not in _slots_of(Tracer)
 
 
-def init_tracer(tracer, trace, aval) -> None:
-    """`Tracer.__init__` for whichever signature this JAX has."""
-    if TRACER_TAKES_AVAL:
-        Tracer.__init__(tracer, trace, aval)
-    else:
-        Tracer.__init__(tracer, trace)  # pyright: ignore[reportCallIssue]
+def tracer_initialiser(base, takes_aval: bool) -> Callable[[Any, Any, Any], None]:
+    """`base.__init__` for a tracer of a subclass, whichever signature it has."""
+    if takes_aval:
+        return base.__init__
+    init = base.__init__
+
+    def init_then_store_aval(tracer, trace, aval):
+        init(tracer, trace)
         tracer.aval = aval
+
+    return init_then_store_aval
+
+
+init_tracer = tracer_initialiser(Tracer, TRACER_TAKES_AVAL)
 
 
 set_current_trace = _first((jex_core, "set_current_trace"), (_core, "set_current_trace")) or (
@@ -204,27 +209,24 @@ take_current_trace = _first((jex_core, "take_current_trace"), (_core, "take_curr
     _unavailable("take_current_trace", "running a quaxified function")
 )
 
-_trace_ctx = _first((_core, "trace_ctx"))
-if _trace_ctx is not None and hasattr(_trace_ctx, "trace"):
-
-    def current_trace():
-        """The trace every `bind` would go to right now."""
-        return _trace_ctx.trace
-
-else:
+def current_trace_reader(core, extend_core) -> Callable[[], Any]:
+    """A function returning the trace every `bind` would go to right now: the
+    `trace_ctx.trace` attribute (all releases tested), else
+    `unsafe_get_current_trace()`, else `find_top_trace(())`."""
+    ctx = _first((core, "trace_ctx"))
+    if ctx is not None and hasattr(ctx, "trace"):
+        return lambda: ctx.trace
     _disabled.append("reading the current trace from trace_ctx")
-    _get_trace = _first((_core, "unsafe_get_current_trace")) or _first(
-        (jex_core, "find_top_trace"), (_core, "find_top_trace")
-    )
+    getter = _first((core, "unsafe_get_current_trace"))
+    if getter is not None:
+        return getter
+    find_top = _first((extend_core, "find_top_trace"), (core, "find_top_trace"))
+    if find_top is not None:
+        return lambda: find_top(())
+    return _unavailable("a way to read the current trace", "running a quaxified function")
 
-    def current_trace():
-        """The trace every `bind` would go to right now."""
-        if _get_trace is None:
-            raise missing("a way to read the current trace", "running a quaxified function")
-        try:
-            return _get_trace()
-        except TypeError:  # find_top_trace(args)
-            return _get_trace(())
+
+current_trace = current_trace_reader(_core, jex_core)
 
 
 _EvalTrace = _first((_core, "EvalTrace"))
@@ -316,22 +318,26 @@ def current_eqn_context():
     return _core.JaxprEqnContext() if _EQN_CONTEXTS_INTERNED else None  # pyright: ignore
 
 
-def _bind_with_trace_takes_avals() -> bool:
-    code = getattr(getattr(Primitive, "bind_with_trace", None), "__code__", None)
-    return code is not None and code.co_argcount >= 5
+def binder(primitive_class) -> Callable[[Any, Any, list, dict], Any]:
+    """`bind(primitive, trace, args, params)`: `primitive.bind(*args, **params)`
+    with `trace` current, for arguments that are already canonical JAX values
+    (an equation's inputs). `Primitive.bind_with_trace` takes `(trace, args,
+    avals, params)` from jax 0.9 and `(trace, args, params)` before."""
+    code = getattr(getattr(primitive_class, "bind_with_trace", None), "__code__", None)
+    if code is not None and code.co_argcount >= 5:
+
+        def bind_with_avals(primitive, trace, args, params):
+            return primitive.bind_with_trace(trace, args, [jax.typeof(a) for a in args], params)
+
+        return bind_with_avals
+
+    def bind(primitive, trace, args, params):
+        return primitive.bind_with_trace(trace, args, params)
+
+    return bind
 
 
-# `Primitive.bind_with_trace(trace, args, avals, params)` from jax 0.9;
-# `(trace, args, params)` before.
-BIND_WITH_TRACE_TAKES_AVALS = _bind_with_trace_takes_avals()
-
-
-def bind_with_trace(primitive, trace, args, params):
-    """`primitive.bind(*args, **params)` with `trace` as the current trace, for
-    arguments that are already canonical JAX values (an equation's inputs)."""
-    if BIND_WITH_TRACE_TAKES_AVALS:
-        return primitive.bind_with_trace(trace, args, [jax.typeof(a) for a in args], params)
-    return primitive.bind_with_trace(trace, args, params)
+bind_with_trace = binder(Primitive)
 
 
 # The one-shot functions JAX hands to trace hooks (`()` when absent, so that
@@ -360,7 +366,7 @@ if not _ARRAY_CARRIES_AVAL:
 def aval_key(x) -> Any:
     """What `jax.typeof(x)` says, as a cache key. A concrete array carries its
     aval (without the sharding, which `typeof` folds in) and its sharding as
-    attributes, which is a tenth of the cost."""
+    attributes, which is a tenth of the cost (where the probe found them)."""
     if _ARRAY_CARRIES_AVAL and type(x) is ArrayImpl:
         return x.aval, x.sharding
     return jax.typeof(x)
@@ -424,6 +430,32 @@ def scan_layout(params) -> tuple[int, int]:
     raise missing("the consts/carry layout of `scan`'s params", "lax.scan over Values")
 
 
+def _bwd_returns_logs(custom_derivatives) -> bool:
+    # `_flatten_bwd` itself, or (from jax 0.12) inside a `functools.partial`.
+    pending = [getattr(custom_derivatives, "_flatten_bwd", None)]
+    while pending:
+        candidate = pending.pop()
+        code = getattr(candidate, "__code__", None)
+        if code is not None and code.co_name == "_flatten_bwd":
+            return "with_logs" in code.co_varnames
+        if hasattr(candidate, "func"):
+            pending += [candidate.func, *candidate.args]  # pyright: ignore
+    return False
+
+
+# From jax 0.11 a custom_vjp's `bwd` (as handed to a trace hook) returns
+# `(cotangents, logs)`; before, the cotangents alone.
+CUSTOM_VJP_BWD_RETURNS_LOGS = _bwd_returns_logs(_custom_derivatives)
+
+
+def custom_vjp_cotangents(bwd_output, *, with_logs: bool = CUSTOM_VJP_BWD_RETURNS_LOGS) -> list:
+    """The input cotangents from what a custom_vjp hook's `bwd` returned."""
+    if with_logs:
+        cotangents, _logs = bwd_output
+        return list(cotangents)
+    return list(bwd_output)
+
+
 # What to pass as `jax.jit(..., inline=)` for a jit that JAX copies into the
 # enclosing program where it is traced, as `jax.numpy`'s are.
 JIT_INLINE_AT_TRACE: Any = _INLINE_EARLY if _INLINE_EARLY is not None else True
@@ -454,24 +486,25 @@ FlatTree: Any = _first(
 )
 
 
-def _shard_map_returns_flat_tree() -> bool:
+def _takes_subfuns_param(primitive_class) -> bool:
     # From jax 0.9 `shard_map_p.bind_with_trace` takes the body from
     # `params["subfuns"]`, and the body returns a FlatTree; before, the body is
     # the first operand, a `WrappedFun` returning a flat list.
-    bind = getattr(type(shard_map_p), "bind_with_trace", None)
-    code = getattr(bind, "__code__", None)
+    code = getattr(getattr(primitive_class, "bind_with_trace", None), "__code__", None)
     return code is not None and "subfuns" in code.co_consts + code.co_names + code.co_varnames
 
 
-SHARD_MAP_RETURNS_FLAT_TREE = _shard_map_returns_flat_tree()
+SHARD_MAP_RETURNS_FLAT_TREE = _takes_subfuns_param(type(shard_map_p))
 
 
-def shard_map_body_outputs(fun, args, params) -> tuple[list, tuple, Callable[[list], Any]]:
+def shard_map_body_outputs(
+    fun, args, params, *, flat_tree: bool = SHARD_MAP_RETURNS_FLAT_TREE
+) -> tuple[list, tuple, Callable[[list], Any]]:
     """Run a `shard_map` body as JAX hands it to a trace hook (with the hook's
     `params`): its flat outputs, their flat out specs, and a function turning
     a list of outputs into what the hook returns (a `FlatTree` like the body's,
-    or a list)."""
-    if SHARD_MAP_RETURNS_FLAT_TREE:
+    or a list). `flat_tree` says which protocol (see the inventory)."""
+    if flat_tree:
         outs, out_specs = fun(*args).unpack_aux()
         # The structure only, not the outputs (tracers that must not outlive
         # their trace).

@@ -2,9 +2,10 @@ import os
 import sys
 
 
-# Checked mode for the whole suite: every rule's outputs are compared with the
-# primitive's abstract evaluation. Read once, when quaxlike is first imported.
-os.environ.setdefault("QUAXLIKE_CHECK", "1")
+# The suite runs as users run quaxlike: checked mode off, unless the environment
+# turns it on (`.ci/run` runs the core and conformance tests a second time with
+# QUAXLIKE_CHECK=1, comparing every rule's outputs with the primitive's abstract
+# evaluation). Read once, when quaxlike is first imported.
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -22,6 +23,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # tests keep it on.
 jax.config.update("jax_check_tracer_leaks", True)
 _WITHOUT_LEAK_CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples")
+
+
+# Strict dtype and rank promotion (no implicit int -> float or float32 -> float64
+# mixing, no implicit rank broadcasting), where a test allows it: a test that
+# checks promotion itself, or runs user code that relies on it, opts out with
+# `@pytest.mark.loose_promotion` (or a module's `pytestmark`).
+_STRICT_PROMOTION = os.environ.get("QUAXLIKE_TEST_STRICT_PROMOTION", "1") == "1"
+
+
+@pytest.fixture(autouse=True)
+def _strict_promotion(request):
+    if not _STRICT_PROMOTION or request.node.get_closest_marker("loose_promotion"):
+        yield
+        return
+    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+        yield
 
 
 @pytest.fixture(autouse=True)

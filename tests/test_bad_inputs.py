@@ -86,15 +86,23 @@ def test_06_unknown_primitive_name():
 
 
 def test_07_rule_with_unannotated_positional_argument():
-    # Accepted (plum treats it as matching anything); checked mode warns.
-    with pytest.warns(
-        UserWarning,
-        match=r"(?s)rule `.*sin_p_bare` registered for `sin`.*argument `x`.*annotation",
-    ):
+    # Accepted (plum treats it as matching anything); checked mode warns. (A
+    # primitive of the test's own: a rule matching anything would take over a
+    # real primitive for the rest of the session.)
+    private_p = jax.extend.core.Primitive("quaxlike_test_bare")
+    token = quaxlike._instrument.checking.set(True)
+    try:
+        with pytest.warns(
+            UserWarning,
+            match=r"(?s)rule `.*bare_rule` registered for `quaxlike_test_bare`.*argument `x`.*annotation",
+        ):
 
-        @quaxlike.register(lax.sin_p)
-        def sin_p_bare(x, **params):
-            return NotImplemented
+            @quaxlike.register(private_p)
+            def bare_rule(x, **params):
+                return NotImplemented
+
+    finally:
+        quaxlike._instrument.checking.reset(token)
 
 
 def test_08_ambiguous_rules():

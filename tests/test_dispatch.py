@@ -178,15 +178,19 @@ def test_register_non_callable():
 
 def test_unannotated_positional_argument_matches_anything():
     # As in plum (and so Quax): an unannotated positional argument matches an
-    # argument of any type. Checked mode (on for this suite) points it out.
+    # argument of any type. Checked mode points it out.
     class A(_Box):
         pass
 
     def mul_p_a_anything(x: A, y, **params):
         return A(x.array * 10 * (y.array if isinstance(y, A) else y))
 
-    with pytest.warns(UserWarning, match=r"(?s)mul_p_a_anything.*`mul`.*`y` with no type"):
-        quaxlike.register(jax.lax.mul_p)(mul_p_a_anything)
+    token = quaxlike._instrument.checking.set(True)
+    try:
+        with pytest.warns(UserWarning, match=r"(?s)mul_p_a_anything.*`mul`.*`y` with no type"):
+            quaxlike.register(jax.lax.mul_p)(mul_p_a_anything)
+    finally:
+        quaxlike._instrument.checking.reset(token)
     assert _has_rule(jax.lax.mul_p, mul_p_a_anything)
     x = _x()
     for other in (jnp.full(x.shape, 2.0), A(jnp.full(x.shape, 2.0))):

@@ -1,5 +1,4 @@
-"""The interpreter's fast paths, with checked mode off (the rest of the suite runs
-with it on, which takes the observed path).
+"""The interpreter's fast paths (see quaxlike/_sub_programs.py).
 
 - Sub-programs of `jit(inline=True)` functions (most of `jax.numpy`) are evaluated
   in the trace itself.
@@ -45,7 +44,9 @@ def _unused(x):
 
 
 def _inline_jit(fn):
-    return jax.jit(fn, inline=True)
+    # A jit that JAX inlines where it is traced, as jax.numpy's are (on any
+    # release: `inline=True` before jax 0.11, `jax.Inline.JAX_EARLY` from 0.11).
+    return jax.jit(fn, inline=quaxlike._jax_compat.JIT_INLINE_AT_TRACE)
 
 
 def _trace(fn, *args):

@@ -228,13 +228,17 @@ def custom_vjp_call_p_values(
         out_cts = [_instantiate(ct) for ct in out_cts]
         # Cotangents of Value outputs are rebuilt as Values of the same type.
         cts = outputs[0].rebuild_tangents(out_leaves, out_cts)
-        in_cts = lifted_call(bwd.call_wrapped, *residuals, *cts)
+        in_cts = lifted_call(_bwd_cotangents, bwd, *residuals, *cts)
         return tuple(_leaf_cotangents(inputs, in_leaves, in_cts, in_perturbed[0]))
 
     in_perturbed: list = []
     leaf_function.defvjp(leaf_fwd, leaf_bwd, symbolic_zeros=True)
     out_leaves = leaf_function(*inputs.take_leaves())
     return list(outputs[0].rebuild(out_leaves))
+
+
+def _bwd_cotangents(bwd, *args):
+    return jc.custom_vjp_cotangents(bwd.call_wrapped(*args))
 
 
 def _instantiate(ct):

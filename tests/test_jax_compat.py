@@ -1,0 +1,254 @@
+"""The JAX compatibility layer (quaxlike/_jax_compat.py): every probe's fallback
+is exercised here, on stand-ins shaped like an older or newer JAX, so a
+fallback that rots fails a test on any release. (The release matrix in
+.ci/run runs the real thing on every minor series from 0.7.2.)"""
+
+import subprocess
+import sys
+import textwrap
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import randn
+
+import quaxlike
+from quaxlike import _jax_compat as jc
+
+
+def _module(**attributes):
+    return types.SimpleNamespace(**attributes)
+
+
+# --- finding names ----------------------------------------------------------------
+
+
+def test_first_found_falls_back_to_the_next_module():
+    older = _module(set_current_trace="old")
+    assert jc._first((_module(), "set_current_trace"), (older, "set_current_trace")) == "old"
+    assert jc._first((None, "x"), (_module(x=None), "x")) is None
+
+
+def test_a_missing_internal_raises_naming_version_range_and_what():
+    unavailable = jc._unavailable("jax._src.core.trace_ctx", "running a quaxified function")
+    with pytest.raises(jc.JaxCompatibilityError) as info:
+        unavailable()
+    message = str(info.value)
+    for text in ("jax._src.core.trace_ctx", jax.__version__, *jc.TESTED_RANGE):
+        assert text in message
+    assert isinstance(info.value, quaxlike.QuaxlikeError)
+
+
+def test_version_comparison():
+    assert jc._version_tuple("0.12.0.1") > jc._version_tuple("0.12.0")
+    assert jc._version_tuple("0.13.0.dev20270101") > jc._version_tuple(jc.TESTED_RANGE[1])
+    assert jc._version_tuple("0.7.2") == (0, 7, 2)
+
+
+# --- the trace API ------------------------------------------------------------------
+
+
+def test_current_trace_fallbacks_agree_with_jax():
+    real = jc._core
+    readers = [
+        jc.current_trace_reader(real, jc.jex_core),
+        # No trace_ctx: `unsafe_get_current_trace`.
+        jc.current_trace_reader(
+            _module(unsafe_get_current_trace=real.unsafe_get_current_trace), None
+        ),
+        # Neither: `find_top_trace`.
+        jc.current_trace_reader(_module(), _module(find_top_trace=real.find_top_trace)),
+    ]
+    seen = []
+
+    def inside(x):
+        seen.append([read() for read in readers])
+        return x
+
+    jax.make_jaxpr(inside)(1.0)
+    (traces,) = seen
+    assert all(t is traces[0] for t in traces)
+    assert all(read() is readers[0]() for read in readers)  # eager, too
+    with pytest.raises(jc.JaxCompatibilityError):
+        jc.current_trace_reader(_module(), None)()
+
+
+def test_tracer_initialiser_for_both_signatures():
+    class OldTracer:  # jax < 0.10: `__init__(self, trace)`, `aval` the subclass's
+        __slots__ = ("_trace", "aval")
+
+        def __init__(self, trace):
+            self._trace = trace
+
+    class NewTracer:  # jax >= 0.10: `__init__(self, trace, aval)`
+        __slots__ = ("_trace", "aval")
+
+        def __init__(self, trace, aval):
+            self._trace, self.aval = trace, aval
+
+    for base in (OldTracer, NewTracer):
+        takes_aval = jc._init_takes_aval(base)
+        assert takes_aval == (base is NewTracer)
+        tracer = object.__new__(base)
+        jc.tracer_initialiser(base, takes_aval)(tracer, "trace", "aval")
+        assert (tracer._trace, tracer.aval) == ("trace", "aval")
+    assert "aval" in jc._slots_of(NewTracer) and "aval" not in jc._slots_of(object)
+
+
+def test_binder_for_both_signatures():
+    calls = []
+
+    class Old:
+        def bind_with_trace(self, trace, args, params):
+            calls.append(("old", trace, list(args), params))
+
+    class New:
+        def bind_with_trace(self, trace, args, avals, params, /):
+            calls.append(("new", trace, list(args), avals, params))
+
+    x = jnp.ones(2)
+    jc.binder(Old)(Old(), "t", [x], {"p": 1})
+    jc.binder(New)(New(), "t", [x], {"p": 1})
+    assert calls[0] == ("old", "t", [x], {"p": 1})
+    assert calls[1][:3] == ("new", "t", [x]) and calls[1][3] == [jax.typeof(x)]
+
+
+def test_quaxify_runs_with_the_fallbacks_of_speed_shortcuts(monkeypatch):
+    # Equation contexts not interned (jax < 0.10.2) and concrete arrays without
+    # a readable aval: every equation's context is entered, keys use typeof.
+    monkeypatch.setattr(jc, "_EQN_CONTEXTS_INTERNED", False)
+    monkeypatch.setattr(jc, "_ARRAY_CARRIES_AVAL", False)
+    assert jc.current_eqn_context() is None
+    x = randn(0, (3,))
+    value = quaxlike.DenseArrayValue(x)
+    for f in (jnp.sin, lambda v: jnp.sum(v * 2.0)):
+        np.testing.assert_array_equal(quaxlike.quaxify(f)(value), f(x))
+        np.testing.assert_array_equal(jax.jit(quaxlike.quaxify(f))(value), jax.jit(f)(x))
+    assert jc.aval_key(x) == jax.typeof(x)
+
+
+def test_register_tracer_class_without_jax_s_table(monkeypatch):
+    monkeypatch.setattr(jc, "_aval_mappings", None)
+    monkeypatch.setattr(jc, "_disabled", [])
+
+    class Stray(jc.Tracer):
+        pass
+
+    jc.register_tracer_class(Stray)
+    assert jc.disabled_shortcuts() == ["jax.typeof's lookup for QuaxTracer"]
+
+
+# --- params that changed between releases -------------------------------------------
+
+
+def test_jit_inline_param_both_forms():
+    assert jc.jit_inlines_at_trace(True) and not jc.jit_inlines_at_trace(False)
+    assert not jc.jit_inlines_at_trace("something new")
+    if jc._Inline is not None:  # jax >= 0.11: an enum
+        assert jc.jit_inlines_at_trace(jc._Inline.JAX_EARLY)
+        others = [m for m in jc._Inline if m is not jc._Inline.JAX_EARLY]
+        assert others and not any(map(jc.jit_inlines_at_trace, others))
+
+
+def test_jax_numpy_functions_are_seen_as_inlined():
+    seen = []
+
+    # Bound under a trace that keeps `jit` equations: the inline param of a
+    # `jax.numpy` function is one that inlines at trace time, on any release.
+    class Recording(quaxlike.DenseArrayValue):
+        pass
+
+    @quaxlike.register(jc.jit_p)
+    def jit_p_recording(*args: Recording | jax.Array | float, jaxpr, **params):
+        seen.append(jc.jit_inlines_at_trace(params.get("inline", False)))
+        return NotImplemented
+
+    quaxlike.quaxify(jnp.sin)(Recording(randn(1, (2,))))
+    assert seen == [True]
+
+
+def test_scan_layout_both_forms():
+    assert jc.scan_layout({"num_consts": 2, "num_carry": 1}) == (2, 1)
+
+    class FlatTrees:
+        def unpack(self):
+            return [None] * 3, [None], [None] * 4
+
+    assert jc.scan_layout({"ft_in": FlatTrees()}) == (3, 1)
+    with pytest.raises(jc.JaxCompatibilityError, match="scan"):
+        jc.scan_layout({})
+    # And the real one, on this release.
+    jaxpr = jax.make_jaxpr(lambda c, xs: jax.lax.scan(lambda c, x: (c + x, c * x), c, xs))
+    (eqn,) = jaxpr(1.0, jnp.ones(3)).eqns
+    assert jc.scan_layout(eqn.params) == (0, 1)
+
+
+def test_custom_vjp_cotangents_both_forms():
+    assert jc.custom_vjp_cotangents([1, None], with_logs=False) == [1, None]
+    assert jc.custom_vjp_cotangents(([1, None], None), with_logs=True) == [1, None]
+
+
+def test_varying_axes_both_forms():
+    old = _module(vma=frozenset({"x"}))
+    new = _module(mat=_module(varying=frozenset({"x", "y"})))
+    assert jc.varying_axes(old) == {"x"}
+    assert jc.varying_axes(new) == {"x", "y"}
+    assert jc.varying_axes(_module()) == frozenset()
+
+
+def test_shard_map_body_old_protocol():
+    class WrappedFun:  # jax <= 0.8: a one-shot function returning a flat list
+        def call_wrapped(self, *args):
+            return [a * 2 for a in args]
+
+    outs, specs, rebuild = jc.shard_map_body_outputs(
+        WrappedFun(), [1, 2], {"out_specs_thunk": lambda: ("a", "b")}, flat_tree=False
+    )
+    assert (outs, specs, rebuild([5, 6])) == ([2, 4], ("a", "b"), [5, 6])
+    assert jc.map_shard_map_result([1, 2], lambda v: v + 1) == [2, 3]
+
+
+def test_stand_in_primitives_are_inert():
+    stand_in = jc._stand_in_primitive("gone")
+    assert isinstance(stand_in, jc.Primitive) and stand_in.name == "quaxlike_missing_gone"
+    assert jc.lax_primitive_by_name("quaxlike_missing_gone") is None
+
+
+# --- a JAX newer than the tested range ----------------------------------------------
+
+
+def test_import_on_an_unknown_newer_jax():
+    # A JAX that calls itself 0.99, whose public re-exports of the trace API and
+    # of some primitives moved away (their `jax._src` homes stay, as JAX itself
+    # uses them): `import quaxlike` still works, says it is beyond the tested
+    # range, and quaxify runs on the fallbacks.
+    script = textwrap.dedent(
+        """
+        import jax, jax.extend.core, jax.numpy as jnp
+        jax.__version__ = "0.99.0"
+        core = jax.extend.core
+        for module, name in [
+            (core, "set_current_trace"), (core, "take_current_trace"),
+            (core, "jaxpr_as_fun"), (core.primitives, "jit_p"),
+            (core.primitives, "remat_p"), (jax, "Inline"),
+        ]:
+            if hasattr(module, name):
+                delattr(module, name)
+        import quaxlike
+        from quaxlike import _jax_compat as jc
+        assert jc.beyond_tested_range()
+        assert jc.jit_p.name == "jit" and jc.remat_p.name == "remat2"
+        x = jnp.arange(3.0)
+        value = quaxlike.DenseArrayValue(x)
+        out = quaxlike.quaxify(lambda v: jnp.sin(v) * 2.0 + 1.0)(value)
+        assert (out == jnp.sin(x) * 2.0 + 1.0).all()
+        out = jax.jit(quaxlike.quaxify(lambda v: jax.checkpoint(jnp.cos)(v)))(value)
+        assert jnp.allclose(out, jnp.cos(x))
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
