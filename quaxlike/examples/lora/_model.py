@@ -5,9 +5,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
+import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
+
+import quaxlike
 
 from ._value import _dense, LoraArray
 
@@ -39,6 +42,12 @@ _BAD_WHERE_MSG = (
 
 def _is_lora(x: Any) -> bool:
     return isinstance(x, LoraArray)
+
+
+def _is_value(x: Any) -> bool:
+    # Values are selected whole, as one weight: the codes and scales of a
+    # quantised weight, say, are not weights of their own.
+    return isinstance(x, quaxlike.Value)
 
 
 def _component(key: Any) -> str:
@@ -90,6 +99,8 @@ def _linear_weight_paths(model: PyTree) -> set[str]:
 
 
 def _is_matrix(leaf: Any) -> bool:
+    if isinstance(leaf, quaxlike.ArrayValue):  # a quantised weight, say
+        return leaf.ndim >= 2 and bool(jnp.issubdtype(leaf.dtype, jnp.inexact))
     if not eqx.is_inexact_array(leaf):
         return False
     return leaf.ndim >= 2
@@ -112,7 +123,9 @@ def loraify(
     batch dimensions). `where` selects other leaves instead, by the dotted path of
     each leaf: attribute names, sequence indices and dict keys joined by `.`, such
     as `layers.0.weight` in an `eqx.nn.MLP`. Leaves that are already `LoraArray`s
-    are left alone.
+    are left alone. A Value (a quantised weight from
+    `quaxlike.examples.quantized.quantize`, say) is one leaf, selected whole: the
+    result is a LoRA over it (QLoRA; see also `qlora`).
 
     **Arguments:**
 
@@ -147,7 +160,7 @@ def loraify(
         y = quaxlike.quaxify(model)(jnp.ones(16))
         ```
     """
-    leaves_with_paths, treedef = jtu.tree_flatten_with_path(model, is_leaf=_is_lora)
+    leaves_with_paths, treedef = jtu.tree_flatten_with_path(model, is_leaf=_is_value)
     paths = [dotted_path(path) for path, _ in leaves_with_paths]
     leaves = [leaf for _, leaf in leaves_with_paths]
     if where is None:

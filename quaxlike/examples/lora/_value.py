@@ -123,8 +123,15 @@ class LoraArray(quaxlike.ArrayValue):
 
     def frozen_weight(self) -> Any:
         """`W`, behind `lax.stop_gradient` when the weight is frozen."""
-        # (Through `quaxify`, in case `W` is itself a Value.)
-        return quaxlike.quaxify(lax.stop_gradient)(self.w) if self.stop_gradient else self.w
+        if not self.stop_gradient:
+            return self.w
+        if isinstance(self.w, quaxlike.Value):
+            # A Value stands for a function of its leaves, so stopping the
+            # gradient at every leaf stops it at the value, whatever the type
+            # (quantised, sparse, another LoRA), with no rule needed.
+            stop = lambda x: lax.stop_gradient(x) if eqx.is_array(x) else x  # noqa: E731
+            return jax.tree_util.tree_map(stop, self.w)
+        return lax.stop_gradient(self.w)
 
     def materialise(self) -> Any:
         if not self.allow_materialise:
