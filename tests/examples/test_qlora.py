@@ -291,3 +291,47 @@ def test_qlora_training_step_and_merge(mlp):
     merged = merge(dequantize(trained))
     run = eqx.filter_jit(lambda m, d, x: (quaxlike.quaxify(m)(x), d(x)))
     assert tree_allclose(*run(trained, merged, xs[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_training_step_peak_memory():
+    # benchmarks/qlora.py's step (8 `Linear(1024, 1024)` + relu, batch 8, rank 8,
+    # adam), compiled only, for abstract arguments: QLoRA at 4 bits against LoRA on
+    # the dense model. Bytes are exact; the target is 0.35.
+    width, depth, batch = 1024, 8, 8
+    mlp = eqx.filter_eval_shape(
+        eqx.nn.MLP, width, width, width, depth - 1, activation=jax.nn.relu, key=jr.key(0)
+    )
+    optimiser = optax.adam(1e-3)
+    xs = ys = jax.ShapeDtypeStruct((batch, width), jnp.float32)
+
+    def peak(model):
+        trainable, frozen = partition(model)
+        opt_state = eqx.filter_eval_shape(optimiser.init, trainable)
+        arrays, static = eqx.partition(
+            (trainable, opt_state, frozen), lambda x: isinstance(x, jax.ShapeDtypeStruct)
+        )
+
+        def step(arrays, xs, ys):
+            trainable, opt_state, frozen = eqx.combine(arrays, static)
+
+            def loss(trainable):
+                out = jax.vmap(quaxlike.quaxify(eqx.combine(trainable, frozen)))(xs)
+                return jnp.mean((out - ys) ** 2)
+
+            grads = eqx.filter_grad(loss)(trainable)
+            updates, opt_state = optimiser.update(grads, opt_state, trainable)
+            return eqx.filter(eqx.apply_updates(trainable, updates), eqx.is_array), opt_state
+
+        stats = jax.jit(step).lower(arrays, xs, ys).compile().memory_analysis()
+        return (
+            stats.argument_size_in_bytes
+            + stats.output_size_in_bytes
+            + stats.temp_size_in_bytes
+            - stats.alias_size_in_bytes
+        )
+
+    lora = eqx.filter_eval_shape(lambda m: loraify(m, rank=8, key=jr.key(1)), mlp)
+    quantized = eqx.filter_eval_shape(lambda m: qlora(m, rank=8, key=jr.key(1)), mlp)
+    ratio = peak(quantized) / peak(lora)
+    print(f"QLoRA step peak / LoRA step peak: {ratio:.3f}")
+    assert ratio <= 0.35, ratio

@@ -358,6 +358,132 @@ def test_vmap_over_stacked_quantized_arrays(kind, getseed):
     assert_pairs_close(run(q, stacked, xs))
 
 
+# --- indexing ------------------------------------------------------------------
+
+
+VOCAB = 10  # an embedding table of VOCAB rows of IN
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_embedding_rows(kind, getseed):
+    # Looking up rows of a quantised table dequantises those rows only.
+    table = make(kind, getseed(), (VOCAB, IN))
+    ids = jnp.asarray(np.random.default_rng(getseed()).integers(0, VOCAB, (2, 3)), jnp.int32)
+    embedding = eqx.nn.Embedding(weight=table)  # type: ignore[arg-type]
+
+    def lookups(table, embedding, ids):
+        return {
+            "table[ids]": table[ids],
+            "table[ids[0]]": table[ids[0]],
+            "vmap(table[i])": jax.vmap(lambda i: table[i])(ids[0]),
+            "table[i]": table[ids[0, 0]],
+            "dynamic_slice": lax.dynamic_slice(table, (ids[0, 1], 0), (3, IN)),
+            "static rows": table[2:5],
+            "embedding": embedding(ids[0, 0]),
+            "vmap(embedding)": jax.vmap(embedding)(ids[1]),
+            "w.T[:, rows]": table.T[:, 3:5],  # stored rows, through the transpose
+        }
+
+    got, expected, jaxpr = run_both(lookups, table, embedding, ids)
+    assert_pairs_close({name: (got[name], expected[name]) for name in got})
+    # At most the rows asked for (the six of `table[ids]`), never the table.
+    assert 0 < largest_dequantized(jaxpr) <= ids.size * IN < table.size
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_indexing_whole_matrices_stays_quantized(kind, getseed):
+    stacked = make(kind, getseed(), (LAYERS + 1, OUT, IN))
+    x = randn(getseed(), (IN,))
+
+    def pieces(w, i):
+        return {
+            "w[i]": w[i],
+            "w[1]": w[1],
+            "w[1:]": w[1:],
+            "vmap(w[i])": jax.vmap(lambda i: w[i])(jnp.stack([i, 0])),
+            "reshape": jnp.reshape(w, (1, *w.shape)),
+            "broadcast": jnp.broadcast_to(w, (2, *w.shape)),
+            "squeeze": jnp.squeeze(w[:1], 0),
+        }
+
+    shapes = jax.eval_shape(quaxlike.quaxify(pieces), stacked, 2)
+    assert all(isinstance(p, type(stacked)) for p in shapes.values()), shapes
+    got, expected, _ = run_both(
+        lambda w, i, x: jtu.tree_map(lambda p: p @ x, pieces(w, i)), stacked, 2, x
+    )
+    assert_pairs_close({name: (got[name], expected[name]) for name in got})
+
+
+def test_indexing_that_cuts_stored_rows_materialises(getseed):
+    # Some of the inputs of each row: an Int4Array's groups and bytes would be cut.
+    q = make("int4", getseed())
+    for fn in (lambda w: w[:, :4], lambda w: w.T[2:4], lambda w, i=1: w[:, i]):
+        with pytest.raises(quaxlike.MaterialisationError, match="Int4Array"):
+            jax.eval_shape(quaxlike.quaxify(fn), q)
+
+
+# --- peak memory -----------------------------------------------------------------
+
+
+def peak_bytes(fn, *args):
+    """Arguments + outputs + temporaries - aliased bytes of `jax.jit(fn)` compiled
+    for `args` (abstract arguments do: nothing runs)."""
+    arrays, static = eqx.partition(args, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    run = jax.jit(lambda arrays: fn(*eqx.combine(arrays, static)))
+    stats = run.lower(arrays).compile().memory_analysis()
+    return (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        + stats.temp_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
+
+
+def test_peak_memory_ratios():
+    # benchmarks/quantized.py's model: 8 `Linear(1024, 1024)` + relu (32 MiB of
+    # float32 weights), a batch of 8; compiled only, for abstract arguments. The
+    # bytes XLA plans are exact: a quantised program that kept a dense copy of its
+    # weights (all of them at once, as XLA's scheduler would without the loop over
+    # blocks) would take more than the float32 one.
+    width, depth, batch = 1024, 8, 8
+    mlp = eqx.filter_eval_shape(
+        eqx.nn.MLP, width, width, width, depth - 1, activation=jax.nn.relu, key=jr.key(0)
+    )
+    xs = jax.ShapeDtypeStruct((batch, width), jnp.float32)
+    stacked = jax.ShapeDtypeStruct((depth, width, width), jnp.float32)
+    per_layer_xs = jax.ShapeDtypeStruct((depth, batch, width), jnp.float32)
+
+    def forward(m, xs):
+        return jax.vmap(quaxlike.quaxify(m))(xs)
+
+    def grad(m, xs):
+        return jax.grad(lambda xs: jnp.sum(forward(m, xs)))(xs)
+
+    def scan(ws, xs):
+        return lax.scan(lambda h, w: (jax.nn.relu(h @ w.T), None), xs, ws)[0]
+
+    def vmap(ws, xs):
+        return jax.vmap(lambda w, x: x @ w.T)(ws, xs)
+
+    dense = {
+        "forward": peak_bytes(forward, mlp, xs),
+        "grad": peak_bytes(grad, mlp, xs),
+        "scan": peak_bytes(scan, stacked, xs),
+        "vmap": peak_bytes(vmap, stacked, per_layer_xs),
+    }
+    for bits, kind, target in ((8, quantize_int8, 0.30), (4, quantize_int4, 0.20)):
+        model = eqx.filter_eval_shape(lambda m: quantize(m, bits=bits), mlp)
+        weights = eqx.filter_eval_shape(kind, stacked)
+        ratios = {
+            "forward": peak_bytes(forward, model, xs),
+            "grad": peak_bytes(grad, model, xs),
+            "scan": peak_bytes(quaxlike.quaxify(scan), weights, xs),
+            "vmap": peak_bytes(quaxlike.quaxify(vmap), weights, per_layer_xs),
+        }
+        ratios = {case: peak / dense[case] for case, peak in ratios.items()}
+        assert all(ratio <= target for ratio in ratios.values()), (bits, ratios)
+
+
 # --- control flow inside quaxify -------------------------------------------------
 
 
