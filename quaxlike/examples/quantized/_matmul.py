@@ -69,10 +69,6 @@ def _blocked_dot(q: QuantizedArray, other, dimension_numbers, params: dict, q_is
     phases = q.phases
     if isinstance(other, quaxlike.Value) and other_column is not None:
         phases = 1  # slicing a Value could cost more than it saves
-    others = [other]
-    if phases > 1 and other_column is not None:
-        others = [_strided(other, j, phases, other_column) for j in range(phases)]
-        # (strided slices of the activations, once, outside the loop)
     params = {**params, "out_sharding": None}
     n_rows = q.stored_shape[-2]
     blocks, size = block_rows(q)
@@ -83,7 +79,13 @@ def _blocked_dot(q: QuantizedArray, other, dimension_numbers, params: dict, q_is
             return quaxlike.quaxify(bind_dot_general)(lhs, rhs, dimension_numbers, params)
         return bind_dot_general(lhs, rhs, dimension_numbers, params)
 
-    def block_product(i, q, others):
+    def block_product(i, q, other):
+        # Strided slices of the other operand, taken here rather than once before
+        # the loop: then `jax.grad` saves the operand itself for the backward loop,
+        # not a copy of it in pieces.
+        others = [other]
+        if phases > 1 and other_column is not None:
+            others = [_strided(other, j, phases, other_column) for j in range(phases)]
         start = jnp.minimum(i * size, n_rows - size)
         rows = q.stored_rows(start, size)
         ws = rows.dequantize_phases(*rows.row_leaves()) if phases > 1 else [rows.dequantize()]
@@ -101,7 +103,7 @@ def _blocked_dot(q: QuantizedArray, other, dimension_numbers, params: dict, q_is
         return ys, start
 
     if blocks == 1:  # a single stored row
-        outs, _ = block_product(0, q, others)
+        outs, _ = block_product(0, q, other)
     else:
         # `jax.grad` recomputes each block in the backward loop, rather than
         # saving every dequantised block for it.
@@ -117,14 +119,23 @@ def _blocked_dot(q: QuantizedArray, other, dimension_numbers, params: dict, q_is
         init = [jnp.zeros(shape, aval.dtype)] * (phases if out_column is not None else 1)
 
         def step(outs, i):
-            ys, start = block_product(i, q, others)
-            if out_row is None:
+            ys, start = block_product(i, q, other)
+            if out_row is None:  # the rows are contracted: sum the blocks
                 return [out + y for out, y in zip(outs, ys)], None
+            # The blocks overlap: write each into place.
             return [
                 lax.dynamic_update_slice_in_dim(out, y, start, out_row) for out, y in zip(outs, ys)
             ], None
 
-        outs, _ = lax.scan(step, init, jnp.arange(blocks))
+        def stack(_, i):
+            return None, block_product(i, q, other)[0]
+
+        if out_row is not None and blocks * size == n_rows:
+            # Each block gives its own rows of the result: stack them (no loop state).
+            _, outs = lax.scan(stack, None, jnp.arange(blocks))
+            outs = [_merge_blocks(out, out_row) for out in outs]
+        else:
+            outs, _ = lax.scan(step, init, jnp.arange(blocks))
     if out_column is None or len(outs) == 1:
         return outs[0]
     # Interleave the phases' columns back into order.
@@ -132,6 +143,13 @@ def _blocked_dot(q: QuantizedArray, other, dimension_numbers, params: dict, q_is
     shape = list(jnp.shape(outs[0]))
     shape[out_column] *= len(outs)
     return jnp.reshape(stacked, shape)
+
+
+def _merge_blocks(x, axis: int):
+    """`(blocks, ..., size, ...)`, `size` at `axis + 1`, to `(..., blocks * size, ...)`."""
+    x = jnp.moveaxis(x, 0, axis)
+    shape = list(jnp.shape(x))
+    return jnp.reshape(x, (*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :]))
 
 
 def _strided(x, start: int, step: int, axis: int):
