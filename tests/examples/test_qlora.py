@@ -191,6 +191,35 @@ def _loss_of_scales(scale, lora, x):
     return jnp.sum(jnp.tanh(w @ x) ** 2)
 
 
+def test_structural_operations_keep_the_quantized_base(template, getseed):
+    # Transposing, scaling, converting and indexing a stack of QLoRA weights give
+    # LoRAs over quantised bases (the LoRA rules redispatch to the base's rules).
+    stack = make_qlora(template, make_base("int4", getseed(), (LAYERS, M, N)), getseed())
+    x, y = randn(getseed(), (N,)), randn(getseed(), (M,))
+
+    def pieces(w, i):
+        return {
+            "w[i].T": w[i].T,
+            "w[1] * 2": w[1] * 2.0,
+            "-w[0]": -w[0],
+            "w[1:]": w[1:],
+            "stop_gradient(w)[0]": lax.stop_gradient(w)[0],
+            "w.astype": w[0].astype(jnp.bfloat16).astype(jnp.float32),
+        }
+
+    shapes = jax.eval_shape(quaxlike.quaxify(pieces), stack, 1)
+    assert all(is_lora(p) and isinstance(p.w, Int4Array) for p in shapes.values()), shapes
+
+    def products(w, i, x, y):
+        return {name: (p @ y if name == "w[i].T" else p @ x) for name, p in pieces(w, i).items()}
+
+    got = eqx.filter_jit(quaxlike.quaxify(products))(stack, 1, x, y)
+    expected = eqx.filter_jit(products)(jax.jit(dense)(stack), 1, x, y)
+    for name in got:
+        tolerance = 2e-2 if name == "w.astype" else 1e-5  # through bfloat16
+        assert tree_allclose(got[name], expected[name], rtol=tolerance, atol=tolerance), name
+
+
 # --- other Value bases -------------------------------------------------------------
 
 
