@@ -72,6 +72,7 @@ def _blocked_dot(q: QuantizedArray, other, dimension_numbers, params: dict, q_is
     params = {**params, "out_sharding": None}
     n_rows = q.stored_shape[-2]
     blocks, size = block_rows(q)
+    indices = jnp.arange(blocks)
 
     def product(w, other):
         lhs, rhs = (w, other) if q_is_lhs else (other, w)
@@ -104,9 +105,16 @@ def _blocked_dot(q: QuantizedArray, other, dimension_numbers, params: dict, q_is
 
     if blocks == 1:  # a single stored row
         outs, _ = block_product(0, q, other)
-    else:
+    elif out_row is not None and blocks * size == n_rows:
+        # Each block gives its own rows of the result: stack them (no loop state).
         # `jax.grad` recomputes each block in the backward loop, rather than
         # saving every dequantised block for it.
+        block_product = jax.checkpoint(block_product, prevent_cse=False)
+        _, outs = lax.scan(lambda _, i: (None, block_product(i, q, other)[0]), None, indices)
+        outs = [_merge_blocks(out, out_row) for out in outs]
+    else:
+        # The rows are contracted (sum the blocks), or the last block overlaps
+        # the one before (write each block into place).
         block_product = jax.checkpoint(block_product, prevent_cse=False)
         aval = output_aval(
             lax.dot_general_p,
@@ -120,22 +128,13 @@ def _blocked_dot(q: QuantizedArray, other, dimension_numbers, params: dict, q_is
 
         def step(outs, i):
             ys, start = block_product(i, q, other)
-            if out_row is None:  # the rows are contracted: sum the blocks
+            if out_row is None:
                 return [out + y for out, y in zip(outs, ys)], None
-            # The blocks overlap: write each into place.
             return [
                 lax.dynamic_update_slice_in_dim(out, y, start, out_row) for out, y in zip(outs, ys)
             ], None
 
-        def stack(_, i):
-            return None, block_product(i, q, other)[0]
-
-        if out_row is not None and blocks * size == n_rows:
-            # Each block gives its own rows of the result: stack them (no loop state).
-            _, outs = lax.scan(stack, None, jnp.arange(blocks))
-            outs = [_merge_blocks(out, out_row) for out in outs]
-        else:
-            outs, _ = lax.scan(step, init, jnp.arange(blocks))
+        outs, _ = lax.scan(step, init, indices)
     if out_column is None or len(outs) == 1:
         return outs[0]
     # Interleave the phases' columns back into order.
