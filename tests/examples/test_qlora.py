@@ -256,6 +256,13 @@ def test_lora_over_a_sparse_base_and_over_another_lora(template, getseed):
     assert grads.w is None or all(g is None for g in jtu.tree_leaves(grads.w))
 
 
+def test_the_trainable_half_alone_says_to_combine(template, getseed):
+    # Passing `partition`'s trainable half (no `w`) to quaxify is a common slip.
+    trainable, _ = partition(make_qlora(template, make_base("int8", getseed()), getseed()))
+    with pytest.raises(TypeError, match=r"trainable half[\s\S]*eqx.combine"):
+        quaxlike.quaxify(lambda w, x: w @ x)(trainable, jnp.ones(N))
+
+
 # --- whole models: loraify, qlora, training --------------------------------------
 
 
