@@ -12,9 +12,11 @@ an `optax.adam` update of those parameters.
 - full fine-tune: the dense model, every weight and bias trainable.
 
 Sizes come from XLA (`compiled.memory_analysis()`): arguments, outputs, temporary
-buffers and aliasing (none: nothing is donated). "total" is arguments + outputs +
-temporaries - aliased, an upper bound on the step's live memory. They are exact,
-so nothing is repeated.
+buffers and aliasing (none: nothing is donated). "peak" is arguments + outputs +
+temporaries - aliased: what the step needs at its peak, inputs included (the
+weights, however they are stored). A figure of the weights alone would hide the
+temporaries. They are exact, so nothing is repeated. (`qlora.py` measures the
+same for QLoRA, and `quantized.py` for quantised models.)
 
 Run: `python benchmarks/memory.py [--quick]`.
 """
@@ -133,13 +135,13 @@ def main(argv=None):
             "outputs",
             "temp",
             "alias",
-            "total",
+            "peak",
             "vs hand-written LoRA",
             "vs full fine-tune",
         ],
     )
 
-    def total(stats):
+    def peak(stats):
         return (
             stats.argument_size_in_bytes
             + stats.output_size_in_bytes
@@ -147,8 +149,8 @@ def main(argv=None):
             - stats.alias_size_in_bytes
         )
 
-    hand_total = total(results["hand-written LoRA"][0])
-    full_total = total(results["full fine-tune (dense)"][0])
+    hand_peak = peak(results["hand-written LoRA"][0])
+    full_peak = peak(results["full fine-tune (dense)"][0])
     for name, (stats, params, _) in results.items():
         table.add(
             name,
@@ -157,9 +159,9 @@ def main(argv=None):
             h.fmt_bytes(stats.output_size_in_bytes),
             h.fmt_bytes(stats.temp_size_in_bytes),
             h.fmt_bytes(stats.alias_size_in_bytes),
-            h.fmt_bytes(total(stats)),
-            f"{total(stats) / hand_total:.2f}",
-            f"{total(stats) / full_total:.2f}",
+            h.fmt_bytes(peak(stats)),
+            f"{peak(stats) / hand_peak:.2f}",
+            f"{peak(stats) / full_peak:.2f}",
         )
     table.print(
         [

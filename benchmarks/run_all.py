@@ -24,6 +24,8 @@ SCRIPTS = (
     "compile_run",
     "nested",
     "memory",
+    "quantized",
+    "qlora",
     "depth_scaling",
     "instructions",
 )

@@ -16,13 +16,24 @@ TABLES = (
     "### Compile and run",
     "### Nested quaxify",
     "### Training-step memory",
+    "### Quantised model, forward",
+    "### QLoRA training step",
     "### Trace time per layer against depth",
 )
 
 
 # Timed scripts; `instructions.py` (run under Valgrind, a minute even when quick)
 # has its own test below, among the slow ones.
-TIMED = ("trace_time", "eager_ops", "compile_run", "nested", "memory", "depth_scaling")
+TIMED = (
+    "trace_time",
+    "eager_ops",
+    "compile_run",
+    "nested",
+    "memory",
+    "quantized",
+    "qlora",
+    "depth_scaling",
+)
 
 
 def _run_quick(*scripts: str) -> str:

@@ -10,4 +10,5 @@ from ._model import (
     partition as partition,
     trainable_filter as trainable_filter,
 )
+from ._qlora import qlora as qlora
 from ._value import LoraArray as LoraArray

@@ -5,10 +5,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import equinox as eqx
+import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
+
+import quaxlike
 
 from ._conv import dense_kernel, LoraConvKernel, scaled_normal
 from ._value import _dense, LoraArray
@@ -55,6 +58,12 @@ _BAD_WHERE_MSG = (
 
 def _is_lora(x: Any) -> bool:
     return isinstance(x, (LoraArray, LoraConvKernel))
+
+
+def _is_value(x: Any) -> bool:
+    # Values are selected whole, as one weight: the codes and scales of a
+    # quantised weight, say, are not weights of their own.
+    return isinstance(x, quaxlike.Value)
 
 
 def _component(key: Any) -> str:
@@ -113,6 +122,8 @@ def _layer_weights(model: PyTree) -> dict[str, Any]:
 
 
 def _is_matrix(leaf: Any) -> bool:
+    if isinstance(leaf, quaxlike.ArrayValue):  # a quantised weight, say
+        return leaf.ndim >= 2 and bool(jnp.issubdtype(leaf.dtype, jnp.inexact))
     if not eqx.is_inexact_array(leaf):
         return False
     return leaf.ndim >= 2
@@ -140,8 +151,10 @@ def loraify(
     3-D). Embedding tables, norms and biases are left alone. `where` selects other
     leaves instead, by the dotted path of each leaf: attribute names, sequence
     indices and dict keys joined by `.`, such as `layers.0.weight` in an
-    `eqx.nn.MLP`. Leaves that are already LoRA are left alone.
-    `adapted_paths(model)` lists what was replaced.
+    `eqx.nn.MLP`. Leaves that are already LoRA are left alone. A Value (a
+    quantised weight from `quaxlike.examples.quantized.quantize`, say) is one
+    leaf, selected whole: the result is a LoRA over it (QLoRA; see also
+    `qlora`). `adapted_paths(model)` lists what was replaced.
 
     A kernel of an `eqx.nn.Conv` or `eqx.nn.ConvTranspose` becomes a
     `LoraConvKernel` (output channels along axis 0); any other selected leaf, a
@@ -192,7 +205,7 @@ def loraify(
     """
     if key_scheme not in ("quax", "split"):
         raise ValueError(_BAD_KEY_SCHEME_MSG.format(got=key_scheme))
-    leaves_with_paths, treedef = jtu.tree_flatten_with_path(model, is_leaf=_is_lora)
+    leaves_with_paths, treedef = jtu.tree_flatten_with_path(model, is_leaf=_is_value)
     paths = [dotted_path(path) for path, _ in leaves_with_paths]
     leaves = [leaf for _, leaf in leaves_with_paths]
     layers = _layer_weights(model)

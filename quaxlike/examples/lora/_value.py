@@ -31,6 +31,12 @@ _BAD_WEIGHT_MSG = (
     "no sense: leave it out of `loraify(..., where=...)`."
 )
 _BAD_RANK_MSG = "LoraArray needs a positive integer `rank`; got {rank!r}."
+_NO_WEIGHT_MSG = (
+    "This LoraArray's weight `w` is missing (None where its arrays should be): it is "
+    "the trainable half of `partition(model)` (or of `eqx.partition`). Put the model "
+    "back together with `eqx.combine(trainable, frozen)` before calling it through "
+    "`quaxlike.quaxify`."
+)
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -119,12 +125,25 @@ class LoraArray(quaxlike.ArrayValue):
 
     def aval(self) -> ShapedArray:
         # Reads shapes and dtypes only: no operation enters a traced program.
-        return ShapedArray(_shape(self.w), self.w.dtype)
+        try:
+            return ShapedArray(_shape(self.w), self.w.dtype)
+        except (AttributeError, TypeError) as error:
+            is_none = lambda x: x is None  # noqa: E731
+            if any(map(is_none, jax.tree_util.tree_leaves(self.w, is_leaf=is_none))):
+                raise TypeError(_NO_WEIGHT_MSG) from error
+            raise
 
     def frozen_weight(self) -> Any:
         """`W`, behind `lax.stop_gradient` when the weight is frozen."""
-        # (Through `quaxify`, in case `W` is itself a Value.)
-        return quaxlike.quaxify(lax.stop_gradient)(self.w) if self.stop_gradient else self.w
+        if not self.stop_gradient:
+            return self.w
+        if isinstance(self.w, quaxlike.Value):
+            # A Value stands for a function of its leaves, so stopping the
+            # gradient at every leaf stops it at the value, whatever the type
+            # (quantised, sparse, another LoRA), with no rule needed.
+            stop = lambda x: lax.stop_gradient(x) if eqx.is_array(x) else x  # noqa: E731
+            return jax.tree_util.tree_map(stop, self.w)
+        return lax.stop_gradient(self.w)
 
     def materialise(self) -> Any:
         if not self.allow_materialise:

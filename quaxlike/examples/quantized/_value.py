@@ -4,12 +4,13 @@ import abc
 import dataclasses
 import functools as ft
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax import lax
 from jaxtyping import Array, ArrayLike, Float, Int8, PyTree, UInt8
 
 import quaxlike
@@ -33,18 +34,30 @@ _BAD_GROUP_MSG = (
     "Pick a group size that divides {size}, or leave this weight out with `where=`."
 )
 _BAD_BITS_MSG = "`quantize`: `bits` must be 8 or 4; got {bits!r}."
+_BAD_BLOCK_MSG = (
+    "`{function}`: `block_bytes` (how many bytes of dequantised weight a matrix product "
+    "builds at a time) must be a positive int; got {got!r}."
+)
 
 # Symmetric ranges: int8 codes lie in [-127, 127], int4 codes in [-7, 7].
 _INT8_MAX = 127
 _INT4_MAX = 7
 # int4 codes are stored offset by 8, as unsigned nibbles in [1, 15].
 _INT4_OFFSET = 8
+# How much dequantised weight a matrix product builds at a time, by default: a
+# block that stays in a core's L2 cache (benchmarks/README.md, "Block size").
+DEFAULT_BLOCK_BYTES = 2**19
 
 
 def _absmax_scale(w: Array, axis: int, code_max: int) -> Array:
     absmax = jnp.max(jnp.abs(w), axis=axis)
     # An all-zero row or group has any positive scale; 1 avoids dividing by zero.
     return jnp.where(absmax > 0, absmax / code_max, jnp.ones_like(absmax))
+
+
+def _check_block_bytes(block_bytes: int, function: str) -> None:
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
+        raise ValueError(_BAD_BLOCK_MSG.format(function=function, got=block_bytes))
 
 
 def _as_float_matrix(w: ArrayLike, function: str) -> Array:
@@ -55,14 +68,13 @@ def _as_float_matrix(w: ArrayLike, function: str) -> Array:
     return w
 
 
-def _dequantize_stored(ints: Array, scale: Array, group_size: int | None) -> Array:
-    """The dense weight in stored layout `(*batch, out, in)`."""
-    weights = ints.astype(scale.dtype)
-    if group_size is None:
-        return weights * scale[..., None]
-    *batch, out, size = ints.shape
-    grouped = weights.reshape(*batch, out, size // group_size, group_size)
-    return (grouped * scale[..., None]).reshape(ints.shape)
+def dequantize_rows(ints: Array, groups: Array) -> Array:
+    """Dense rows from their integer codes `(..., in)` and the scales of their
+    groups `(..., n_groups)` (`n_groups` dividing `in`), with the same leading
+    dimensions; the result has the codes' shape and the scales' dtype."""
+    *lead, size = ints.shape
+    weights = ints.astype(groups.dtype).reshape(*lead, groups.shape[-1], -1)
+    return (weights * groups[..., None]).reshape(ints.shape)
 
 
 class QuantizedArray(quaxlike.ArrayValue):
@@ -73,17 +85,21 @@ class QuantizedArray(quaxlike.ArrayValue):
     one scale per output row (`Int8Array`) or per group of `group_size` consecutive
     inputs of a row (`Int4Array`). Its dtype is the dtype of the scales.
 
-    Matrix products with a dense array (`weight @ x`, `x @ weight.T`, batched and
-    vmapped forms) multiply by the integer codes and apply the scales to the
-    output, or to the other operand, so the dense weight is never built. Transposing
-    the last two dimensions, converting to another floating dtype, negating, and
-    multiplying or dividing by a scalar stay quantised too. Any other primitive materialises the
-    dense weight, which by default raises an error instead (see
-    `allow_materialise`).
+    Matrix products (`weight @ x`, `x @ weight.T`, batched, vmapped and
+    transposed forms, any `lax.dot_general`) dequantise the weight a block of
+    stored rows at a time, inside a loop, and multiply each block as it comes, so
+    the dense weight is never built: at most `block_bytes` of it exist at once.
+    Indexing rows (an embedding lookup, `table[ids]`) dequantises only the rows
+    taken. Transposing the last two dimensions, converting to another floating
+    dtype, negating, multiplying or dividing by a scalar, `lax.stop_gradient`,
+    and slicing, indexing or reshaping the leading batch dimensions stay
+    quantised. Any other primitive materialises the dense weight, which by
+    default raises an error instead (see `allow_materialise`).
 
-    All of `QuantizedArray`'s subclasses share the field `transposed` (static):
-    when true, the array stands for the stored weight with its last two dimensions
-    swapped, as `weight.T` gives.
+    All of `QuantizedArray`'s subclasses share two static fields: `transposed`,
+    true when the array stands for the stored weight with its last two
+    dimensions swapped (as `weight.T` gives), and `block_bytes`, the most bytes
+    of dequantised weight a matrix product builds at a time.
 
     **Arguments:**
 
@@ -103,6 +119,7 @@ class QuantizedArray(quaxlike.ArrayValue):
 
     transposed: eqx.AbstractVar[bool]
     allow_materialise: eqx.AbstractVar[bool]
+    block_bytes: eqx.AbstractVar[int]
     scale: eqx.AbstractVar[Array]
 
     @property
@@ -118,8 +135,46 @@ class QuantizedArray(quaxlike.ArrayValue):
         row does (per-channel quantisation)."""
 
     @abc.abstractmethod
+    def row_leaves(self) -> tuple[Array, Array]:
+        """The stored leaves seen row by row: `(data, groups)`, where `data` holds
+        the codes as stored, `(*batch, out, in)` or packed `(*batch, out, in // 2)`,
+        and `groups` the scales with a last axis of groups, `(*batch, out,
+        n_groups)` (one group for `Int8Array`). An operation that keeps the last
+        axis whole applies alike to both (see `with_row_leaves`)."""
+
+    @abc.abstractmethod
+    def with_row_leaves(self, data: Array, groups: Array) -> "QuantizedArray":
+        """A copy with the leaves `row_leaves` describes replaced."""
+
+    @abc.abstractmethod
+    def unpack(self, data: Array) -> Int8[Array, "..."]:  # noqa: F722
+        """The integer codes `(..., in)` of stored data `(..., k)`, as `row_leaves`
+        gives it or after an operation on its leading axes."""
+
     def codes(self) -> Int8[Array, "*batch out in"]:  # noqa: F722
         """The integer codes as `int8`, in stored layout `(*batch, out, in)`."""
+        return self.unpack(self.row_leaves()[0])
+
+    #: Into how many phases `dequantize_phases` cuts the columns.
+    phases: ClassVar[int] = 1
+
+    def dequantize_phases(self, data: Array, groups: Array) -> list[Array]:
+        """Dense rows from row leaves (as `row_leaves` gives them, or after an
+        operation on their leading axes), cut into `phases` arrays by column:
+        phase `j` holds columns `j, j + phases, j + 2 * phases, ...`. The cut that
+        unpacks fastest: one phase, in order, for `Int8Array`; for `Int4Array`,
+        two of whose codes share a byte, the even columns (low nibbles) and the
+        odd ones (high nibbles)."""
+        return [dequantize_rows(self.unpack(data), groups)]
+
+    def stored_rows(self, start: ArrayLike, size: int) -> "QuantizedArray":
+        """Rows `start` to `start + size` of the stored weight (axis `-2` of
+        `(*batch, out, in)`), as a quantised array of the same kind in stored
+        layout (`transposed=False`). `start` may be traced; as for
+        `lax.dynamic_slice`, it is clamped so that the rows lie inside the weight.
+        """
+        rows = [lax.dynamic_slice_in_dim(x, start, size, axis=-2) for x in self.row_leaves()]
+        return dataclasses.replace(self.with_row_leaves(*rows), transposed=False)
 
     def aval(self) -> ShapedArray:
         shape = self.stored_shape
@@ -135,7 +190,7 @@ class QuantizedArray(quaxlike.ArrayValue):
 
         An array of this array's shape and dtype.
         """
-        dense = _dequantize_stored(self.codes(), self.scale, self.group_size)
+        dense = dequantize_rows(self.codes(), self.row_leaves()[1])
         return jnp.swapaxes(dense, -1, -2) if self.transposed else dense
 
     def materialise(self) -> Array:
@@ -170,6 +225,8 @@ class Int8Array(QuantizedArray):
         dimensions swapped.
     - `allow_materialise`: whether a primitive with no `Int8Array` rule may build
         the dense weight (by default that raises an error instead).
+    - `block_bytes`: the most bytes of dequantised weight a matrix product builds
+        at a time (see `quantize`).
 
     !!! example
 
@@ -183,6 +240,7 @@ class Int8Array(QuantizedArray):
     scale: Float[Array, "*batch out"]  # noqa: F722
     transposed: bool = eqx.field(static=True, default=False)
     allow_materialise: bool = eqx.field(static=True, default=False)
+    block_bytes: int = eqx.field(static=True, default=DEFAULT_BLOCK_BYTES)
 
     def __check_init__(self):
         if self.values.ndim < 2 or self.scale.shape != self.values.shape[:-1]:
@@ -199,8 +257,14 @@ class Int8Array(QuantizedArray):
     def group_size(self) -> None:
         return None
 
-    def codes(self) -> Int8[Array, "*batch out in"]:  # noqa: F722
-        return self.values
+    def row_leaves(self) -> tuple[Array, Array]:
+        return self.values, self.scale[..., None]
+
+    def with_row_leaves(self, data: Array, groups: Array) -> "Int8Array":
+        return dataclasses.replace(self, values=data, scale=groups[..., 0])
+
+    def unpack(self, data: Array) -> Int8[Array, "..."]:  # noqa: F722
+        return data
 
 
 def _pack_nibbles(codes: Array) -> Array:
@@ -209,10 +273,18 @@ def _pack_nibbles(codes: Array) -> Array:
     return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
 
 
-def _unpack_nibbles(packed: Array) -> Array:
+def _nibbles(packed: Array) -> tuple[Array, Array]:
+    """The codes in the low and in the high nibbles: columns 2j and 2j + 1."""
     low = (packed & 0xF).astype(jnp.int8) - _INT4_OFFSET
-    high = (packed >> 4).astype(jnp.int8) - _INT4_OFFSET
-    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    return low, (packed >> 4).astype(jnp.int8) - _INT4_OFFSET
+
+
+def _unpack_nibbles(packed: Array) -> Array:
+    # Shifts by (0, 4) broadcast along a new last axis give the nibbles of each
+    # byte in column order, low first.
+    shifts = jnp.array([0, 4], jnp.uint8)
+    nibbles = ((packed[..., None] >> shifts) & 0xF).astype(jnp.int8) - _INT4_OFFSET
+    return nibbles.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 class Int4Array(QuantizedArray):
@@ -234,6 +306,8 @@ class Int4Array(QuantizedArray):
         dimensions swapped.
     - `allow_materialise`: whether a primitive with no `Int4Array` rule may build
         the dense weight (by default that raises an error instead).
+    - `block_bytes`: the most bytes of dequantised weight a matrix product builds
+        at a time (see `quantize`).
 
     !!! example
 
@@ -247,6 +321,7 @@ class Int4Array(QuantizedArray):
     scale: Float[Array, "*batch out groups"]  # noqa: F722
     transposed: bool = eqx.field(static=True, default=False)
     allow_materialise: bool = eqx.field(static=True, default=False)
+    block_bytes: int = eqx.field(static=True, default=DEFAULT_BLOCK_BYTES)
 
     def __check_init__(self):
         *batch, out, half = self.packed.shape
@@ -268,12 +343,26 @@ class Int4Array(QuantizedArray):
     def stored_shape(self) -> tuple[int, ...]:
         return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
 
+    phases: ClassVar[int] = 2
+
     @property
     def group_size(self) -> int:
         return 2 * self.packed.shape[-1] // self.scale.shape[-1]
 
-    def codes(self) -> Int8[Array, "*batch out in"]:  # noqa: F722
-        return _unpack_nibbles(self.packed)
+    def row_leaves(self) -> tuple[Array, Array]:
+        return self.packed, self.scale
+
+    def with_row_leaves(self, data: Array, groups: Array) -> "Int4Array":
+        return dataclasses.replace(self, packed=data, scale=groups)
+
+    def unpack(self, data: Array) -> Int8[Array, "..."]:  # noqa: F722
+        return _unpack_nibbles(data)
+
+    def dequantize_phases(self, data: Array, groups: Array) -> list[Array]:
+        # Low nibbles (even columns) and high nibbles (odd columns) apart: no
+        # shuffling of nibbles into column order, which XLA's CPU code does
+        # slowly. A group of `g` columns holds `g / 2` of each.
+        return [dequantize_rows(c, groups) for c in _nibbles(data)]
 
 
 # The arithmetic of `quantize_int8` and `quantize_int4`, jitted: called eagerly on a
@@ -294,14 +383,16 @@ def _quantize_int4_arrays(w: Array, group_size: int) -> tuple[Array, Array]:
     return _pack_nibbles(codes.astype(jnp.int8).reshape(w.shape)), scale
 
 
-def quantize_int8(w: ArrayLike, *, allow_materialise: bool = False) -> Int8Array:
+def quantize_int8(
+    w: ArrayLike, *, allow_materialise: bool = False, block_bytes: int = DEFAULT_BLOCK_BYTES
+) -> Int8Array:
     """Quantise a dense weight to `int8`, one absmax scale per output channel.
 
     **Arguments:**
 
     - `w`: a floating-point weight of shape `(*batch, out, in)`, such as the weight
         of an `eqx.nn.Linear`. Each row `w[..., o, :]` gets its own scale.
-    - `allow_materialise`: as for `Int8Array`.
+    - `allow_materialise`, `block_bytes`: as for `Int8Array`.
 
     **Returns:**
 
@@ -316,13 +407,20 @@ def quantize_int8(w: ArrayLike, *, allow_materialise: bool = False) -> Int8Array
         ```
     """
     w = _as_float_matrix(w, "quantize_int8")
+    _check_block_bytes(block_bytes, "quantize_int8")
     values, scale = _quantize_int8_arrays(w)
     # Keywords: pyright orders the fields with the `AbstractVar`s of the base first.
-    return Int8Array(values=values, scale=scale, allow_materialise=allow_materialise)
+    return Int8Array(
+        values=values, scale=scale, allow_materialise=allow_materialise, block_bytes=block_bytes
+    )
 
 
 def quantize_int4(
-    w: ArrayLike, *, group_size: int = 32, allow_materialise: bool = False
+    w: ArrayLike,
+    *,
+    group_size: int = 32,
+    allow_materialise: bool = False,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> Int4Array:
     """Quantise a dense weight to 4 bits, one absmax scale per group of inputs.
 
@@ -332,7 +430,7 @@ def quantize_int4(
         of an `eqx.nn.Linear`.
     - `group_size`: how many consecutive inputs of a row share a scale. It must be
         even and divide `in`. Smaller groups are more accurate and store more scales.
-    - `allow_materialise`: as for `Int4Array`.
+    - `allow_materialise`, `block_bytes`: as for `Int4Array`.
 
     **Returns:**
 
@@ -350,8 +448,11 @@ def quantize_int4(
     *batch, out, size = w.shape
     if group_size <= 0 or group_size % 2 or size % group_size:
         raise ValueError(_BAD_GROUP_MSG.format(group_size=group_size, size=size, shape=w.shape))
+    _check_block_bytes(block_bytes, "quantize_int4")
     packed, scale = _quantize_int4_arrays(w, group_size)
-    return Int4Array(packed=packed, scale=scale, allow_materialise=allow_materialise)
+    return Int4Array(
+        packed=packed, scale=scale, allow_materialise=allow_materialise, block_bytes=block_bytes
+    )
 
 
 def _is_linear(x: Any) -> bool:
@@ -369,6 +470,7 @@ def quantize(
     group_size: int = 32,
     where: Callable[[PyTree], Any] | None = None,
     allow_materialise: bool = False,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> PyTree:
     """Replace the weight of every `eqx.nn.Linear` in `model` by a quantised one.
 
@@ -387,6 +489,12 @@ def quantize(
     - `where`: instead of every `Linear` weight, the arrays this function selects
         (as for `eqx.tree_at`: one array, or a list or tuple of them).
     - `allow_materialise`: as for `Int8Array` and `Int4Array`.
+    - `block_bytes`: the most bytes of dequantised weight a matrix product builds
+        at a time (default 512 KiB). A matrix product dequantises its weight in
+        blocks of whole rows, one after another inside a loop, and at least two
+        blocks, so that no dense copy of a weight is ever alive; a larger block
+        means fewer, larger steps (faster, up to the size of the cache) and more
+        memory. See benchmarks/README.md for the trade-off measured.
 
     **Returns:**
 
@@ -401,10 +509,12 @@ def quantize(
         ```
     """
     if bits == 8:
-        make = lambda w: quantize_int8(w, allow_materialise=allow_materialise)  # noqa: E731
+        make = lambda w: quantize_int8(  # noqa: E731
+            w, allow_materialise=allow_materialise, block_bytes=block_bytes
+        )
     elif bits == 4:
         make = lambda w: quantize_int4(  # noqa: E731
-            w, group_size=group_size, allow_materialise=allow_materialise
+            w, group_size=group_size, allow_materialise=allow_materialise, block_bytes=block_bytes
         )
     else:
         raise ValueError(_BAD_BITS_MSG.format(bits=bits))

@@ -1,0 +1,51 @@
+"""`qlora`: a LoRA update on every quantised `eqx.nn.Linear` weight of a model."""
+
+from jaxtyping import PRNGKeyArray, PyTree
+
+from ..quantized import quantize
+from ..quantized._value import DEFAULT_BLOCK_BYTES
+from ._model import loraify
+
+
+def qlora(
+    model: PyTree,
+    *,
+    rank: int,
+    key: PRNGKeyArray,
+    bits: int = 4,
+    group_size: int = 32,
+    scale: float = 0.01,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> PyTree:
+    """Quantise every `eqx.nn.Linear` weight of `model` and give it a trainable
+    low-rank update: QLoRA.
+
+    The same as `loraify(quantize(model, bits=bits, ...), rank=rank, key=key)`:
+    each weight becomes a `LoraArray` whose frozen base is an `Int4Array` (or
+    `Int8Array`). Products with it run on the quantised base block by block (it
+    is never dequantised whole) plus the low-rank update; gradients stop at the
+    base. For other selections, call `quantize` and `loraify` yourself.
+
+    **Arguments:**
+
+    - `model`: any PyTree holding `eqx.nn.Linear` layers.
+    - `rank`, `key`, `scale`: as for `loraify`.
+    - `bits`, `group_size`, `block_bytes`: as for
+        `quaxlike.examples.quantized.quantize`.
+
+    **Returns:**
+
+    The model with LoRA weights over quantised bases. Train it as any LoRA model
+    (`partition` splits off the factors); call it as `quaxlike.quaxify(model)(x)`.
+
+    !!! example
+
+        ```python
+        mlp = eqx.nn.MLP(64, 8, 64, depth=2, key=jr.key(0))
+        model = qlora(mlp, rank=4, key=jr.key(1))
+        assert type(model.layers[0].weight.w).__name__ == "Int4Array"
+        y = quaxlike.quaxify(model)(jnp.ones(64))
+        ```
+    """
+    quantized = quantize(model, bits=bits, group_size=group_size, block_bytes=block_bytes)
+    return loraify(quantized, rank=rank, key=key, scale=scale)
