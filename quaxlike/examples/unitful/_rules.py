@@ -17,12 +17,12 @@ from typing import Any
 
 import jax
 import jax.extend.core
-import numpy as np
 from jax import lax
 from jaxtyping import ArrayLike
 
 import quaxlike
 
+from ._constants import fits_every_unit, known_value
 from ._unit import dimensionless, Unit
 from ._value import convert_array, UnitError, Unitful
 
@@ -37,9 +37,14 @@ _MISMATCH_MSG = (
 _PLAIN_MSG = (
     "`{primitive}` got a plain array (argument {plain_position}) and a quantity in "
     "{unit} (argument {position}). A plain array counts as a dimensionless number, "
-    "so it can only be combined this way with dimensionless quantities. Give it a "
-    "unit, for example by passing `Unitful(x, {unit_expr})` into the quaxified "
-    "function instead of `x`."
+    "so it can only be combined this way with dimensionless quantities, unless it "
+    "is 0, +-inf or NaN everywhere (values that fit every unit). Give it a unit, "
+    "for example by passing `Unitful(x, {unit_expr})` into the quaxified function "
+    "instead of `x`."
+)
+_UNKNOWN_PLAIN_MSG = (
+    " (Its value is not known while tracing: it depends on a traced input, such as "
+    "an argument of `jax.jit`, so it cannot be checked for 0, inf or NaN either.)"
 )
 _NEEDS_DIMENSIONLESS_MSG = (
     "`{primitive}` needs a dimensionless argument, but argument {position} is a "
@@ -63,6 +68,11 @@ def _quantities(args: Sequence[Any], positions: Sequence[int]) -> list[int]:
     return [i for i in positions if isinstance(args[i], Unitful)]
 
 
+def _name(primitive) -> str:
+    # Rules for whole `jax.numpy` functions (`_functions`) pass the function's name.
+    return primitive if isinstance(primitive, str) else primitive.name
+
+
 def _check_plain(primitive, args, positions) -> None:
     """Raise if a Unitful sits where the primitive expects plain numbers."""
     allowed = set(positions)
@@ -70,23 +80,8 @@ def _check_plain(primitive, args, positions) -> None:
         if i not in allowed and isinstance(x, Unitful):
             text = ", ".join(str(p) for p in sorted(allowed))
             raise UnitError(
-                _INDEX_MSG.format(primitive=primitive.name, unit=x.unit, position=i, allowed=text)
+                _INDEX_MSG.format(primitive=_name(primitive), unit=x.unit, position=i, allowed=text)
             )
-
-
-def _is_constant_zero(x: Any) -> bool:
-    """Whether `x` is a scalar zero written into the program as a constant.
-
-    Zero is zero in every unit, and JAX's own rules compare with it (the
-    derivative of `abs` asks `x >= 0`; `jnp.remainder` and `jax.nn.relu` compare
-    with 0). Such constants arrive as NumPy scalars or Python numbers both eagerly
-    and under `jax.jit`. A zero that went through an operation first (`x > 0`
-    written with `jnp`, which converts the 0) arrives as a `jax.Array` or a tracer
-    and is not accepted: that keeps eager and jitted code in agreement.
-    """
-    if isinstance(x, jax.Array) or not isinstance(x, (np.ndarray, np.generic, int, float)):
-        return False
-    return np.ndim(x) == 0 and not np.iscomplexobj(x) and bool(np.asarray(x) == 0)
 
 
 def _common_unit(primitive, args: Sequence[Any], positions: Sequence[int]):
@@ -99,21 +94,25 @@ def _common_unit(primitive, args: Sequence[Any], positions: Sequence[int]):
     quantity_positions = _quantities(args, positions)
     first = quantity_positions[0]
     unit = args[first].unit
+    # 0, +-inf and NaN fit every unit (see `_constants`); other plain numbers
+    # are dimensionless.
     plain_positions = [
-        i for i in positions if i not in quantity_positions and not _is_constant_zero(args[i])
+        i for i in positions if i not in quantity_positions and not fits_every_unit(args[i])
     ]
     if plain_positions:
         # Plain numbers are dimensionless with scale 1.
         for i in quantity_positions:
             if not args[i].unit.dimensionless:
+                plain = plain_positions[0]
                 raise UnitError(
                     _PLAIN_MSG.format(
-                        primitive=primitive.name,
-                        plain_position=plain_positions[0],
+                        primitive=_name(primitive),
+                        plain_position=plain,
                         unit=args[i].unit,
                         position=i,
                         unit_expr=_unit_expression(args[i].unit),
                     )
+                    + ("" if known_value(args[plain]) is not None else _UNKNOWN_PLAIN_MSG)
                 )
         unit = dimensionless
     arrays = list(args)
@@ -121,7 +120,7 @@ def _common_unit(primitive, args: Sequence[Any], positions: Sequence[int]):
         if not args[i].unit.same_dimensions(unit):
             raise UnitError(
                 _MISMATCH_MSG.format(
-                    primitive=primitive.name,
+                    primitive=_name(primitive),
                     first=unit,
                     first_position=first,
                     second=args[i].unit,
@@ -181,6 +180,9 @@ _SAME_UNIT = {
     lax.scatter_p: (lambda n: (0, 2), True),
     lax.scatter_add_p: (lambda n: (0, 2), True),
     lax.scatter_sub_p: (lambda n: (0, 2), True),
+    # `jnp.stack` (JAX 0.10.1 and later; earlier, `broadcast_in_dim` and
+    # `concatenate`).
+    **({lax.stack_p: (lambda n: range(n), True)} if hasattr(lax, "stack_p") else {}),
     lax.eq_p: (lambda n: range(n), False),
     lax.ne_p: (lambda n: range(n), False),
     lax.lt_p: (lambda n: range(n), False),
@@ -240,6 +242,8 @@ _KEEPS_UNIT = [
     lax.cummin_p,
     lax.reduce_precision_p,
     lax.stop_gradient_p,
+    # `jnp.tile` (JAX 0.9 and later; earlier, `broadcast_in_dim` and `reshape`).
+    *([lax.tile_p] if hasattr(lax, "tile_p") else []),
 ]
 
 # The result is a plain array: a sign, a mask, an index.
@@ -261,9 +265,18 @@ for _primitive in _PLAIN_RESULT:
     quaxlike.register(_primitive)(_make_keeps_unit_rule(_primitive, False))
 
 
-@quaxlike.register(lax.split_p)
-def split_p_unitful(x: Unitful, **params) -> list:
-    return [Unitful(out, x.unit) for out in lax.split_p.bind(x.array, **params)]
+def _make_each_result_rule(primitive):
+    # Several results, each a piece of the one operand: `split` and (JAX 0.10.1
+    # and later) `unstack`.
+    def rule(x: Unitful, **params) -> list:
+        return [Unitful(out, x.unit) for out in primitive.bind(x.array, **params)]
+
+    rule.__name__ = rule.__qualname__ = _rule_name(primitive, "unitful")
+    return rule
+
+
+for _primitive in [lax.split_p, *([lax.unstack_p] if hasattr(lax, "unstack_p") else [])]:
+    quaxlike.register(_primitive)(_make_each_result_rule(_primitive))
 
 
 def _make_each_operand_rule(primitive):
