@@ -94,7 +94,31 @@ WORKS = {
     "where inf": (lambda r, o, t, mass, tq: jnp.where(r > o, -jnp.inf, o), m),
     "clip at zero": (lambda r, o, t, mass, tq: jnp.clip(r, 0.0, None), m),
     "compare with zero": (lambda r, o, t, mass, tq: r > 0, None),
+    "all": (lambda r, o, t, mass, tq: (jnp.all(r), jnp.any(r > o), r.astype(bool)), None),
+    # Rules added for what the type x jax.numpy table found.
+    "power with a known exponent": (lambda r, o, t, mass, tq: jnp.power(jnp.abs(r), 1.5), m**1.5),
+    "sqrt as a power": (lambda r, o, t, mass, tq: jnp.abs(o) ** 0.5, m**0.5),
+    "convolve": (lambda r, o, t, mass, tq: jnp.convolve(r[:, 0], o[:, 1]), m**2),
+    "partition": (lambda r, o, t, mass, tq: jnp.partition(r, 1, axis=0), m),
+    "nan_to_num": (lambda r, o, t, mass, tq: jnp.nan_to_num(jnp.where(r > 0, r, jnp.nan)), m),
+    "copysign": (lambda r, o, t, mass, tq: jnp.copysign(r, t[:, None] - t[1]), m),
+    "ldexp": (lambda r, o, t, mass, tq: jnp.ldexp(r, jnp.arange(3)), m),
+    "signbit": (lambda r, o, t, mass, tq: jnp.signbit(r), None),
+    "searchsorted": (lambda r, o, t, mass, tq: jnp.searchsorted(t, tq), None),
+    "digitize": (lambda r, o, t, mass, tq: jnp.digitize(tq, t), None),
+    "eigvalsh": (lambda r, o, t, mass, tq: jnp.linalg.eigvalsh(r[:3] @ r[:3].T), m**2),
+    "svdvals": (lambda r, o, t, mass, tq: jnp.linalg.svdvals(o), m),
+    "qr": (lambda r, o, t, mass, tq: jnp.abs(jnp.linalg.qr(r[:3])[1]), m),
+    "cholesky": (lambda r, o, t, mass, tq: jnp.linalg.cholesky(_spd(r)), m),
+    "det": (lambda r, o, t, mass, tq: jnp.linalg.det(_spd(r)), m**6),
+    "inv": (lambda r, o, t, mass, tq: jnp.linalg.inv(_spd(r)), m**-2),
+    "solve": (lambda r, o, t, mass, tq: jnp.linalg.solve(_spd(r), o[:3, 0]), 1 / m),
 }
+
+
+def _spd(r):
+    """A symmetric positive definite 3x3 matrix in m^2 (made from `r`)."""
+    return r[:3] @ r[:3].T + jnp.eye(3) * r[0, 0] ** 2
 
 
 def _to_si(tree):

@@ -1,6 +1,6 @@
 """Arrays with physical units: `Unitful(array, unit)`, with a small unit algebra."""
 
-from . import _constants, _rules  # noqa: F401  (register Unitful's rules)
+from . import _constants, _linalg, _rules  # noqa: F401  (register Unitful's rules)
 from ._unit import (
     A as A,
     cm as cm,

@@ -17,13 +17,14 @@ from typing import Any
 
 import jax
 import jax.extend.core
+import numpy as np
 from jax import lax
 from jaxtyping import ArrayLike
 
 import quaxlike
 
 from ._constants import fits_every_unit, known_value
-from ._unit import dimensionless, Unit
+from ._unit import as_fraction, dimensionless, Unit
 from ._value import convert_array, UnitError, Unitful
 
 
@@ -53,9 +54,10 @@ _NEEDS_DIMENSIONLESS_MSG = (
 )
 _POW_MSG = (
     "`pow` with a quantity in {unit} as its base: the unit of the result depends on "
-    "the exponent's value, which is not known while tracing. Use an integer power "
-    "(`x**2`, which JAX turns into `integer_pow`), `jnp.sqrt`, `jnp.cbrt`, or divide "
-    "by a reference quantity first so the base is dimensionless."
+    "the exponent's value, which is not known while tracing (or is not the same "
+    "number everywhere, or not a simple fraction). Write the exponent as a number "
+    "(`x ** 1.5`, `jnp.power(x, 2.0)`), use `jnp.sqrt` or `jnp.cbrt`, or divide by "
+    "a reference quantity first so the base is dimensionless."
 )
 _INDEX_MSG = (
     "`{primitive}` got a quantity in {unit} as argument {position}, where it expects "
@@ -189,6 +191,13 @@ _SAME_UNIT = {
     lax.le_p: (lambda n: range(n), False),
     lax.gt_p: (lambda n: range(n), False),
     lax.ge_p: (lambda n: range(n), False),
+    # Comparisons in the total order of floats (`jnp.searchsorted`, `jnp.sort` of
+    # NaNs), in recent JAX.
+    **{
+        getattr(lax, name): (lambda n: range(n), False)
+        for name in ("eq_to_p", "le_to_p", "lt_to_p")
+        if hasattr(lax, name)
+    },
 }
 
 
@@ -233,7 +242,6 @@ _KEEPS_UNIT = [
     lax.slice_p,
     lax.dynamic_slice_p,
     lax.gather_p,
-    lax.convert_element_type_p,
     lax.reduce_sum_p,
     lax.reduce_max_p,
     lax.reduce_min_p,
@@ -263,6 +271,23 @@ for _primitive in _KEEPS_UNIT:
     quaxlike.register(_primitive)(_make_keeps_unit_rule(_primitive, True))
 for _primitive in _PLAIN_RESULT:
     quaxlike.register(_primitive)(_make_keeps_unit_rule(_primitive, False))
+
+
+@quaxlike.register(lax.convert_element_type_p)
+def convert_element_type_p_unitful(x: Unitful, *, new_dtype, **params) -> Any:
+    out = lax.convert_element_type_p.bind(x.array, new_dtype=new_dtype, **params)
+    # A quantity as booleans is "nonzero", the same in every unit: a plain mask
+    # (`jnp.all(x)`, `jnp.any(x)`, `x.astype(bool)`).
+    if np.dtype(new_dtype) == np.dtype(bool):
+        return out
+    return Unitful(out, x.unit)
+
+
+@quaxlike.register(lax.top_k_p)
+def top_k_p_unitful(x: Unitful, **params) -> list:
+    # The k largest values, in the unit, and their indices.
+    values, indices = lax.top_k_p.bind(x.array, **params)
+    return [Unitful(values, x.unit), indices]
 
 
 def _make_each_result_rule(primitive):
@@ -305,10 +330,19 @@ def mul_p_unitful(x: Unitful | ArrayLike, y: Unitful | ArrayLike, **params) -> U
     return Unitful(out, _unit_of(x) * _unit_of(y))
 
 
-@quaxlike.register(lax.dot_general_p)
-def dot_general_p_unitful(x: Unitful | ArrayLike, y: Unitful | ArrayLike, **params) -> Unitful:
-    out = lax.dot_general_p.bind(_array_of(x), _array_of(y), **params)
-    return Unitful(out, _unit_of(x) * _unit_of(y))
+def _make_product_rule(primitive):
+    # Sums of products of an element of each: the units multiply.
+    def rule(x: Unitful | ArrayLike, y: Unitful | ArrayLike, **params) -> Unitful:
+        out = primitive.bind(_array_of(x), _array_of(y), **params)
+        return Unitful(out, _unit_of(x) * _unit_of(y))
+
+    rule.__name__ = rule.__qualname__ = _rule_name(primitive, "unitful")
+    return rule
+
+
+# `dot_general` (`@`, `einsum`) and `conv_general_dilated` (`jnp.convolve`).
+for _primitive in [lax.dot_general_p, lax.conv_general_dilated_p]:
+    quaxlike.register(_primitive)(_make_product_rule(_primitive))
 
 
 @quaxlike.register(lax.div_p)
@@ -350,11 +384,34 @@ def reduce_prod_p_unitful(x: Unitful, *, axes, **params) -> Unitful:
 
 @quaxlike.register(lax.pow_p)
 def pow_p_unitful(x: Unitful | ArrayLike, y: Unitful | ArrayLike, **params) -> Unitful:
-    if isinstance(x, Unitful) and not x.unit.dimensionless:
-        raise UnitError(_POW_MSG.format(unit=x.unit))
-    base = _require_dimensionless(lax.pow_p, x, 0) if isinstance(x, Unitful) else x
     exponent = _require_dimensionless(lax.pow_p, y, 1) if isinstance(y, Unitful) else y
+    if isinstance(x, Unitful) and not x.unit.dimensionless:
+        # A dimensioned base needs an exponent whose value is known while
+        # tracing (`jnp.power(x, 2.0)`, `x ** 1.5`): the unit is the base's to
+        # that power, as in astropy.
+        power = _known_power(y)
+        if power is None:
+            raise UnitError(_POW_MSG.format(unit=x.unit))
+        return Unitful(lax.pow_p.bind(x.array, exponent, **params), x.unit**power)
+    base = _require_dimensionless(lax.pow_p, x, 0) if isinstance(x, Unitful) else x
     return Unitful(lax.pow_p.bind(base, exponent, **params), dimensionless)
+
+
+def _known_power(y: Any) -> Fraction | None:
+    """The exponent as a fraction, if `y` is plain, known while tracing, the same
+    everywhere and a simple fraction; else None."""
+    if isinstance(y, Unitful):
+        return None
+    value = known_value(y)
+    if value is None or value.size == 0 or np.iscomplexobj(value):
+        return None
+    first = value.reshape(-1)[0]
+    if not np.all(value == first) or not np.isfinite(first):
+        return None
+    try:
+        return as_fraction(float(first))
+    except TypeError:
+        return None
 
 
 # --- dimensionless-only primitives -----------------------------------------------
