@@ -113,6 +113,11 @@ WORKS = {
     "det": (lambda r, o, t, mass, tq: jnp.linalg.det(_spd(r)), m**6),
     "inv": (lambda r, o, t, mass, tq: jnp.linalg.inv(_spd(r)), m**-2),
     "solve": (lambda r, o, t, mass, tq: jnp.linalg.solve(_spd(r), o[:3, 0]), 1 / m),
+    "lstsq": (lambda r, o, t, mass, tq: jnp.linalg.lstsq(_spd(r), o[:3, 0])[0], 1 / m),
+    "isclose with a quantity atol": (
+        lambda r, o, t, mass, tq: jnp.isclose(r, r + o * 1e-9, atol=jnp.abs(o[0, 0]) * 1e-3),
+        None,
+    ),
 }
 
 

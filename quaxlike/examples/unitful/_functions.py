@@ -85,6 +85,19 @@ def _solve(a: Any, b: Any) -> list:
     return [Unitful(out, _unit_of(b) / _unit_of(a))]
 
 
+def _lstsq(a: Any, b: Any) -> list:
+    # `x` minimising `|a x - b|`: `x` in b's unit over a's, the residuals in b's
+    # squared, the singular values in a's; the rank is a plain number.
+    x, residuals, rank, singular = jnp.linalg.lstsq(_array_of(a), _array_of(b))
+    a_unit, b_unit = _unit_of(a), _unit_of(b)
+    return [
+        Unitful(x, b_unit / a_unit),
+        Unitful(residuals, b_unit**2),
+        rank,
+        Unitful(singular, a_unit),
+    ]
+
+
 def _searchsorted(side: str) -> Callable:
     def rule(a: Any, v: Any) -> list:
         # Where `v` would go among the sorted `a`: both in one unit; plain indices.
@@ -108,6 +121,7 @@ _FUNCTIONS: dict[str, list[tuple[Callable, Callable, int]]] = {
     "det": [(jnp.linalg.det, _det, 1)],
     "inv": [(jnp.linalg.inv, _inv, 1)],
     "solve": [(jnp.linalg.solve, _solve, 2)],
+    "_lstsq": [(jnp.linalg.lstsq, _lstsq, 2)],
     "searchsorted": [
         (ft.partial(jnp.searchsorted, side=side), _searchsorted(side), 2)
         for side in ("left", "right")
