@@ -244,7 +244,7 @@ def _interpret(jaxpr, consts, args) -> list:
             outputs = _interpret(body.jaxpr, body.consts, inputs)
         else:
             params = eqn.primitive.get_bind_params(eqn.params)
-            if isinstance(params, tuple):  # before JAX 0.10: (subfuns, params)
+            if isinstance(params, (tuple, list)):  # before JAX 0.10: (subfuns, params)
                 subfuns, params = params
                 inputs = [*subfuns, *inputs]
             with eqn.ctx.manager:

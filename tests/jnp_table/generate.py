@@ -22,7 +22,7 @@ os.environ.setdefault("QUAXLIKE_CHECK", "1")
 
 def _column(name: str) -> tuple[str, dict]:
     from _columns import COLUMNS_BY_NAME
-    from _table import compute_column
+    from _data import compute_column
 
     return name, compute_column(COLUMNS_BY_NAME[name])
 
@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1)
     options = parser.parse_args()
 
-    from _table import as_data, columns_in_order, DATA, PAGE, render_page
+    from _data import as_data, columns_in_order, DATA, PAGE, render_page
 
     names = columns_in_order()
     if options.jobs > 1:

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _columns import COLUMNS, COLUMNS_BY_NAME
+from _data import calls, compute_column, load, PAGE, render_page
 from _reasons import KNOWN_CORE_BUGS, reason_for
 from _signatures import EXCLUDED, public_functions
-from _table import calls, compute_column, load, PAGE, render_page
 
 import quaxlike
 from quaxlike.examples.unitful import m, Unitful

@@ -89,7 +89,7 @@ def _concrete(x: Any) -> Any:
 def _bind_params(primitive, params: dict) -> tuple[list, dict]:
     # JAX 0.10 returns the params; earlier releases return (subfuns, params).
     bind_params = primitive.get_bind_params(params)
-    if isinstance(bind_params, tuple):
+    if isinstance(bind_params, (tuple, list)):
         subfuns, bind_params = bind_params
         return list(subfuns), bind_params
     return [], bind_params
