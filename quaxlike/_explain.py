@@ -4,7 +4,9 @@ import collections
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import equinox as eqx
 import jax
+import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
@@ -115,7 +117,12 @@ def explain(fn: Callable, filter_spec: PyTree[bool | Callable[[Any], bool]] = Tr
     handled it (`"default: materialised LoraArray"`), nesting the records of the
     bodies of higher-order primitives (`jit`, `scan`, `cond`, ...) under them.
     Nothing is computed: `fn` is traced with `jax.make_jaxpr`, and the traced
-    program is kept on the report.
+    program is kept on the report. `explain` accepts what `quaxify` accepts: any
+    PyTrees as positional and keyword arguments (an Equinox model, a Flax
+    parameter dict), their array leaves traced and every other leaf (an
+    activation function, a Python number) passed as it is, as
+    `eqx.filter_make_jaxpr` does. Array leaves may also be
+    `jax.ShapeDtypeStruct`s.
 
     **Arguments:**
 
@@ -143,19 +150,45 @@ def explain(fn: Callable, filter_spec: PyTree[bool | Callable[[Any], bool]] = Tr
     from ._quaxify import quaxify
 
     name = getattr(fn, "__name__", type(fn).__name__)
+    quaxified = quaxify(fn, filter_spec)
 
     def run(*args, **kwargs) -> Report:
         recorder = _instrument.Recorder()
         token = _instrument.recorder.set(recorder)
         try:
-            jaxpr, out_shape = jax.make_jaxpr(quaxify(fn, filter_spec), return_shape=True)(
-                *args, **kwargs
-            )
+            jaxpr, out_shape = _make_jaxpr(quaxified, args, kwargs)
         finally:
             _instrument.recorder.reset(token)
         return Report(name, recorder.records, jaxpr, out_shape)
 
     return run
+
+
+def _is_traced(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _make_jaxpr(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """`jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)` for any PyTrees of
+    arguments and results, as `eqx.filter_make_jaxpr` does: array leaves (and
+    `jax.ShapeDtypeStruct`s) are traced, every other leaf (an Equinox model's
+    activation function, a Flax module, a Python number) is passed as it is.
+
+    Returns the `ClosedJaxpr` over the array leaves of `(args, kwargs)`, in
+    flattening order, and the result with its array leaves replaced by
+    `jax.ShapeDtypeStruct`s (its other leaves kept)."""
+    dynamic, static = eqx.partition((args, kwargs), _is_traced)
+    leaves, treedef = jtu.tree_flatten(dynamic)
+    out_static = []
+
+    def traced(*arrays):
+        call_args, call_kwargs = eqx.combine(jtu.tree_unflatten(treedef, arrays), static)
+        out_arrays, out_other = eqx.partition(fn(*call_args, **call_kwargs), eqx.is_array)
+        out_static.append(out_other)
+        return out_arrays
+
+    jaxpr, out_arrays = jax.make_jaxpr(traced, return_shape=True)(*leaves)
+    return jaxpr, eqx.combine(out_arrays, out_static[0])
 
 
 # --- rendering a jaxpr as code ------------------------------------------------

@@ -157,6 +157,21 @@ def test_result_types_are_those_of_the_ordinary_path(case):
         np.testing.assert_allclose(materialise_tree(fast), expected, rtol=1e-6, atol=1e-6)
 
 
+def test_a_type_with_its_own_jit_rule_takes_the_ordinary_path():
+    # Unitful registers its own `jit` rule (it tracks the values known while
+    # tracing: a Python zero fits every unit, a traced zero is unknown), so the
+    # shortcut, which needs the built-in rule, is not taken.
+    x = randn(5, (3,))
+    before = _shortcuts_taken()
+    product = _eager(lambda a, b: a * b)(Unitful(x, m), Unitful(x, s))
+    halved = _eager(lambda a: a / 2.0)(Unitful(x, m))
+    shifted = _eager(lambda a: a + 0.0)(Unitful(x, m))
+    assert _shortcuts_taken() == before
+    assert product.unit == m * s and tree_allclose(product.array, x * x)
+    assert halved.unit == m and tree_allclose(halved.array, x / 2.0)
+    assert shifted.unit == m and tree_allclose(shifted.array, x)
+
+
 def test_distinct_avals_get_distinct_verdicts():
     fn = _eager(lambda a, b: a + b)
     before = len(_eager_operators._applies)

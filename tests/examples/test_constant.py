@@ -310,6 +310,17 @@ def test_scalar_operand_with_dense(kind, getseed):
     assert [e.primitive.name for e in jaxpr.eqns] == ["mul", "div", "sub"]
 
 
+def test_scalar_operand_with_size_one_axes(getseed):
+    # `jnp.outer` multiplies `(n, 1)` by `(1, m)`: with a Constant on one side,
+    # its scalar must still give the broadcast shape (found by the jnp table).
+    v = randn(getseed(), (4,))
+    c = Constant(1.5, (3,), jnp.float32)
+    out = quaxlike.quaxify(jnp.outer)(c, v)
+    assert tree_allclose(_densify(out), jnp.outer(jnp.full(3, 1.5), v))
+    mask = quaxlike.quaxify(lambda c, v: c[:, None] == v[None, :])(c, v)
+    assert mask.shape == (3, 4)
+
+
 def test_select(getseed, no_materialise):
     x = randn(getseed(), (3, 4))
     c, d = _static(2.0), _static(-1.0)

@@ -349,7 +349,12 @@ def _make_elementwise_rule(primitive, scalar_operands: bool):
             return NotImplemented
         # A Constant next to a dense array: pass its scalar as a rank-0 operand.
         operands = [a.scalar() if isinstance(a, Constant) else a for a in args]
-        return primitive.bind(*operands, **params)
+        out = primitive.bind(*operands, **params)
+        if out.shape != aval.shape:
+            # The dense operand had size-1 axes that the Constant's shape
+            # broadcast (`jnp.outer`: `(n, 1) * (1, m)`): the scalar did not.
+            out = lax.broadcast_in_dim(out, aval.shape, tuple(range(out.ndim)))
+        return out
 
     rule.__name__ = rule.__qualname__ = f"{primitive.name}_p_constant"
     return rule

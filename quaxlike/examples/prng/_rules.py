@@ -98,9 +98,11 @@ _STRUCTURAL = [
     lax.split_p,
     lax.optimization_barrier_p,
 ]
-# `stack` is a primitive in recent JAX (`jnp.stack` of keys emits it).
-if hasattr(lax, "stack_p"):
-    _STRUCTURAL.append(lax.stack_p)
+# `stack`, `unstack` (JAX 0.10.1 and later) and `tile` (0.9 and later) are
+# primitives in recent JAX: `jnp.stack`, `jnp.unstack` and `jnp.tile` of keys.
+_STRUCTURAL += [
+    getattr(lax, name) for name in ("stack_p", "unstack_p", "tile_p") if hasattr(lax, name)
+]
 
 
 def _make_structural_rule(primitive):

@@ -23,7 +23,8 @@ from jaxtyping import ArrayLike
 
 import quaxlike
 
-from ._unit import dimensionless, Unit
+from ._constants import fits_every_unit, known_value
+from ._unit import as_fraction, dimensionless, Unit
 from ._value import convert_array, UnitError, Unitful
 
 
@@ -37,9 +38,14 @@ _MISMATCH_MSG = (
 _PLAIN_MSG = (
     "`{primitive}` got a plain array (argument {plain_position}) and a quantity in "
     "{unit} (argument {position}). A plain array counts as a dimensionless number, "
-    "so it can only be combined this way with dimensionless quantities. Give it a "
-    "unit, for example by passing `Unitful(x, {unit_expr})` into the quaxified "
-    "function instead of `x`."
+    "so it can only be combined this way with dimensionless quantities, unless it "
+    "is 0, +-inf or NaN everywhere (values that fit every unit). Give it a unit, "
+    "for example by passing `Unitful(x, {unit_expr})` into the quaxified function "
+    "instead of `x`."
+)
+_UNKNOWN_PLAIN_MSG = (
+    " (Its value is not known while tracing: it depends on a traced input, such as "
+    "an argument of `jax.jit`, so it cannot be checked for 0, inf or NaN either.)"
 )
 _NEEDS_DIMENSIONLESS_MSG = (
     "`{primitive}` needs a dimensionless argument, but argument {position} is a "
@@ -48,9 +54,10 @@ _NEEDS_DIMENSIONLESS_MSG = (
 )
 _POW_MSG = (
     "`pow` with a quantity in {unit} as its base: the unit of the result depends on "
-    "the exponent's value, which is not known while tracing. Use an integer power "
-    "(`x**2`, which JAX turns into `integer_pow`), `jnp.sqrt`, `jnp.cbrt`, or divide "
-    "by a reference quantity first so the base is dimensionless."
+    "the exponent's value, which is not known while tracing (or is not the same "
+    "number everywhere, or not a simple fraction). Write the exponent as a number "
+    "(`x ** 1.5`, `jnp.power(x, 2.0)`), use `jnp.sqrt` or `jnp.cbrt`, or divide by "
+    "a reference quantity first so the base is dimensionless."
 )
 _INDEX_MSG = (
     "`{primitive}` got a quantity in {unit} as argument {position}, where it expects "
@@ -63,6 +70,11 @@ def _quantities(args: Sequence[Any], positions: Sequence[int]) -> list[int]:
     return [i for i in positions if isinstance(args[i], Unitful)]
 
 
+def _name(primitive) -> str:
+    # Rules for whole `jax.numpy` functions (`_functions`) pass the function's name.
+    return primitive if isinstance(primitive, str) else primitive.name
+
+
 def _check_plain(primitive, args, positions) -> None:
     """Raise if a Unitful sits where the primitive expects plain numbers."""
     allowed = set(positions)
@@ -70,23 +82,8 @@ def _check_plain(primitive, args, positions) -> None:
         if i not in allowed and isinstance(x, Unitful):
             text = ", ".join(str(p) for p in sorted(allowed))
             raise UnitError(
-                _INDEX_MSG.format(primitive=primitive.name, unit=x.unit, position=i, allowed=text)
+                _INDEX_MSG.format(primitive=_name(primitive), unit=x.unit, position=i, allowed=text)
             )
-
-
-def _is_constant_zero(x: Any) -> bool:
-    """Whether `x` is a scalar zero written into the program as a constant.
-
-    Zero is zero in every unit, and JAX's own rules compare with it (the
-    derivative of `abs` asks `x >= 0`; `jnp.remainder` and `jax.nn.relu` compare
-    with 0). Such constants arrive as NumPy scalars or Python numbers both eagerly
-    and under `jax.jit`. A zero that went through an operation first (`x > 0`
-    written with `jnp`, which converts the 0) arrives as a `jax.Array` or a tracer
-    and is not accepted: that keeps eager and jitted code in agreement.
-    """
-    if isinstance(x, jax.Array) or not isinstance(x, (np.ndarray, np.generic, int, float)):
-        return False
-    return np.ndim(x) == 0 and not np.iscomplexobj(x) and bool(np.asarray(x) == 0)
 
 
 def _common_unit(primitive, args: Sequence[Any], positions: Sequence[int]):
@@ -99,21 +96,25 @@ def _common_unit(primitive, args: Sequence[Any], positions: Sequence[int]):
     quantity_positions = _quantities(args, positions)
     first = quantity_positions[0]
     unit = args[first].unit
+    # 0, +-inf and NaN fit every unit (see `_constants`); other plain numbers
+    # are dimensionless.
     plain_positions = [
-        i for i in positions if i not in quantity_positions and not _is_constant_zero(args[i])
+        i for i in positions if i not in quantity_positions and not fits_every_unit(args[i])
     ]
     if plain_positions:
         # Plain numbers are dimensionless with scale 1.
         for i in quantity_positions:
             if not args[i].unit.dimensionless:
+                plain = plain_positions[0]
                 raise UnitError(
                     _PLAIN_MSG.format(
-                        primitive=primitive.name,
-                        plain_position=plain_positions[0],
+                        primitive=_name(primitive),
+                        plain_position=plain,
                         unit=args[i].unit,
                         position=i,
                         unit_expr=_unit_expression(args[i].unit),
                     )
+                    + ("" if known_value(args[plain]) is not None else _UNKNOWN_PLAIN_MSG)
                 )
         unit = dimensionless
     arrays = list(args)
@@ -121,7 +122,7 @@ def _common_unit(primitive, args: Sequence[Any], positions: Sequence[int]):
         if not args[i].unit.same_dimensions(unit):
             raise UnitError(
                 _MISMATCH_MSG.format(
-                    primitive=primitive.name,
+                    primitive=_name(primitive),
                     first=unit,
                     first_position=first,
                     second=args[i].unit,
@@ -181,12 +182,22 @@ _SAME_UNIT = {
     lax.scatter_p: (lambda n: (0, 2), True),
     lax.scatter_add_p: (lambda n: (0, 2), True),
     lax.scatter_sub_p: (lambda n: (0, 2), True),
+    # `jnp.stack` (JAX 0.10.1 and later; earlier, `broadcast_in_dim` and
+    # `concatenate`).
+    **({lax.stack_p: (lambda n: range(n), True)} if hasattr(lax, "stack_p") else {}),
     lax.eq_p: (lambda n: range(n), False),
     lax.ne_p: (lambda n: range(n), False),
     lax.lt_p: (lambda n: range(n), False),
     lax.le_p: (lambda n: range(n), False),
     lax.gt_p: (lambda n: range(n), False),
     lax.ge_p: (lambda n: range(n), False),
+    # Comparisons in the total order of floats (`jnp.searchsorted`, `jnp.sort` of
+    # NaNs), in recent JAX.
+    **{
+        getattr(lax, name): (lambda n: range(n), False)
+        for name in ("eq_to_p", "le_to_p", "lt_to_p")
+        if hasattr(lax, name)
+    },
 }
 
 
@@ -231,7 +242,6 @@ _KEEPS_UNIT = [
     lax.slice_p,
     lax.dynamic_slice_p,
     lax.gather_p,
-    lax.convert_element_type_p,
     lax.reduce_sum_p,
     lax.reduce_max_p,
     lax.reduce_min_p,
@@ -240,6 +250,8 @@ _KEEPS_UNIT = [
     lax.cummin_p,
     lax.reduce_precision_p,
     lax.stop_gradient_p,
+    # `jnp.tile` (JAX 0.9 and later; earlier, `broadcast_in_dim` and `reshape`).
+    *([lax.tile_p] if hasattr(lax, "tile_p") else []),
 ]
 
 # The result is a plain array: a sign, a mask, an index.
@@ -261,9 +273,35 @@ for _primitive in _PLAIN_RESULT:
     quaxlike.register(_primitive)(_make_keeps_unit_rule(_primitive, False))
 
 
-@quaxlike.register(lax.split_p)
-def split_p_unitful(x: Unitful, **params) -> list:
-    return [Unitful(out, x.unit) for out in lax.split_p.bind(x.array, **params)]
+@quaxlike.register(lax.convert_element_type_p)
+def convert_element_type_p_unitful(x: Unitful, *, new_dtype, **params) -> Any:
+    out = lax.convert_element_type_p.bind(x.array, new_dtype=new_dtype, **params)
+    # A quantity as booleans is "nonzero", the same in every unit: a plain mask
+    # (`jnp.all(x)`, `jnp.any(x)`, `x.astype(bool)`).
+    if np.dtype(new_dtype) == np.dtype(bool):
+        return out
+    return Unitful(out, x.unit)
+
+
+@quaxlike.register(lax.top_k_p)
+def top_k_p_unitful(x: Unitful, **params) -> list:
+    # The k largest values, in the unit, and their indices.
+    values, indices = lax.top_k_p.bind(x.array, **params)
+    return [Unitful(values, x.unit), indices]
+
+
+def _make_each_result_rule(primitive):
+    # Several results, each a piece of the one operand: `split` and (JAX 0.10.1
+    # and later) `unstack`.
+    def rule(x: Unitful, **params) -> list:
+        return [Unitful(out, x.unit) for out in primitive.bind(x.array, **params)]
+
+    rule.__name__ = rule.__qualname__ = _rule_name(primitive, "unitful")
+    return rule
+
+
+for _primitive in [lax.split_p, *([lax.unstack_p] if hasattr(lax, "unstack_p") else [])]:
+    quaxlike.register(_primitive)(_make_each_result_rule(_primitive))
 
 
 def _make_each_operand_rule(primitive):
@@ -292,10 +330,19 @@ def mul_p_unitful(x: Unitful | ArrayLike, y: Unitful | ArrayLike, **params) -> U
     return Unitful(out, _unit_of(x) * _unit_of(y))
 
 
-@quaxlike.register(lax.dot_general_p)
-def dot_general_p_unitful(x: Unitful | ArrayLike, y: Unitful | ArrayLike, **params) -> Unitful:
-    out = lax.dot_general_p.bind(_array_of(x), _array_of(y), **params)
-    return Unitful(out, _unit_of(x) * _unit_of(y))
+def _make_product_rule(primitive):
+    # Sums of products of an element of each: the units multiply.
+    def rule(x: Unitful | ArrayLike, y: Unitful | ArrayLike, **params) -> Unitful:
+        out = primitive.bind(_array_of(x), _array_of(y), **params)
+        return Unitful(out, _unit_of(x) * _unit_of(y))
+
+    rule.__name__ = rule.__qualname__ = _rule_name(primitive, "unitful")
+    return rule
+
+
+# `dot_general` (`@`, `einsum`) and `conv_general_dilated` (`jnp.convolve`).
+for _primitive in [lax.dot_general_p, lax.conv_general_dilated_p]:
+    quaxlike.register(_primitive)(_make_product_rule(_primitive))
 
 
 @quaxlike.register(lax.div_p)
@@ -337,11 +384,34 @@ def reduce_prod_p_unitful(x: Unitful, *, axes, **params) -> Unitful:
 
 @quaxlike.register(lax.pow_p)
 def pow_p_unitful(x: Unitful | ArrayLike, y: Unitful | ArrayLike, **params) -> Unitful:
-    if isinstance(x, Unitful) and not x.unit.dimensionless:
-        raise UnitError(_POW_MSG.format(unit=x.unit))
-    base = _require_dimensionless(lax.pow_p, x, 0) if isinstance(x, Unitful) else x
     exponent = _require_dimensionless(lax.pow_p, y, 1) if isinstance(y, Unitful) else y
+    if isinstance(x, Unitful) and not x.unit.dimensionless:
+        # A dimensioned base needs an exponent whose value is known while
+        # tracing (`jnp.power(x, 2.0)`, `x ** 1.5`): the unit is the base's to
+        # that power, as in astropy.
+        power = _known_power(y)
+        if power is None:
+            raise UnitError(_POW_MSG.format(unit=x.unit))
+        return Unitful(lax.pow_p.bind(x.array, exponent, **params), x.unit**power)
+    base = _require_dimensionless(lax.pow_p, x, 0) if isinstance(x, Unitful) else x
     return Unitful(lax.pow_p.bind(base, exponent, **params), dimensionless)
+
+
+def _known_power(y: Any) -> Fraction | None:
+    """The exponent as a fraction, if `y` is plain, known while tracing, the same
+    everywhere and a simple fraction; else None."""
+    if isinstance(y, Unitful):
+        return None
+    value = known_value(y)
+    if value is None or value.size == 0 or np.iscomplexobj(value):
+        return None
+    first = value.reshape(-1)[0]
+    if not np.all(value == first) or not np.isfinite(first):
+        return None
+    try:
+        return as_fraction(float(first))
+    except TypeError:
+        return None
 
 
 # --- dimensionless-only primitives -----------------------------------------------

@@ -40,6 +40,12 @@ def _normalise_scale(scale: Any) -> float:
     return float(f"{scale:.12g}")
 
 
+def as_fraction(exponent: Any) -> Fraction:
+    """`exponent` as a `Fraction`, as `Unit`'s powers accept it (a float must equal
+    a simple fraction); raises `TypeError` otherwise."""
+    return _as_fraction(exponent, "An exponent")
+
+
 def _power_text(symbol: str, exponent: Fraction) -> str:
     if exponent == 1:
         return symbol

@@ -1,0 +1,192 @@
+"""Plain numbers that fit every unit: 0, +-inf and NaN, when their value is known.
+
+As in astropy, a quantity may be added to, compared with, or selected alongside
+a plain number that is 0, +-inf or NaN in every element: those values are the same
+in every unit. JAX's own `jax.numpy` code relies on it (`jnp.var` fills with NaN
+where there are too few elements, `jnp.hypot` compares with inf, `jnp.median`
+puts NaN where the input has one), so without it such functions refuse
+quantities. Any other plain number counts as dimensionless, and a plain number
+whose value is not known while tracing is refused next to a dimensioned quantity:
+it could be anything.
+
+A plain operand's value is known when it is concrete (a Python or NumPy number,
+a literal of a jaxpr, a `jax.Array` outside any trace), or when it was computed
+inside the body of a `jit` (every `jax.numpy` function is one) from that body's
+literals and constants alone. The second case is what `jit_p_unitful` (below)
+arranges: it runs the body equation by equation, and for each equation whose
+inputs are all known it remembers how to compute the outputs' values. Nothing
+is computed unless a rule asks (`known_value`), and the program itself is
+unchanged: the traced outputs are what they would have been.
+"""
+
+import contextvars
+import functools as ft
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.core
+import jax.extend.core
+import numpy as np
+from jaxtyping import ArrayLike
+
+import quaxlike
+
+from ._value import Unitful
+
+
+# id(traced plain value) -> (the value, a function computing its concrete value).
+# The value is held so that its id stays its own while the entry exists. Set
+# for the duration of the outermost `jit_p_unitful`.
+_known: contextvars.ContextVar[dict[int, tuple[Any, Callable[[], Any]]] | None] = (
+    contextvars.ContextVar("unitful_known_constants", default=None)
+)
+
+
+def known_value(x: Any) -> np.ndarray | None:
+    """The value of the plain operand `x` if it is known while tracing, else None."""
+    if not isinstance(x, jax.core.Tracer):
+        try:
+            return np.asarray(x)
+        except Exception:  # an object NumPy cannot read: unknown
+            return None
+    known = _known.get()
+    entry = None if known is None else known.get(id(x))
+    if entry is None or entry[0] is not x:
+        return None
+    return np.asarray(entry[1]())
+
+
+def fits_every_unit(x: Any) -> bool:
+    """Whether the plain operand `x` is known to be 0, +-inf or NaN everywhere."""
+    value = known_value(x)
+    if value is None:
+        return False
+    if value.dtype == object:
+        return False
+    if np.issubdtype(value.dtype, np.inexact):
+        return bool(np.all((value == 0) | np.isinf(value) | np.isnan(value)))
+    return bool(np.all(value == 0))
+
+
+def _is_known(x: Any) -> bool:
+    if not isinstance(x, jax.core.Tracer):
+        return True
+    known = _known.get()
+    entry = None if known is None else known.get(id(x))
+    return entry is not None and entry[0] is x
+
+
+def _concrete(x: Any) -> Any:
+    if not isinstance(x, jax.core.Tracer):
+        return x
+    known = _known.get()
+    assert known is not None
+    return known[id(x)][1]()
+
+
+def _bind_params(primitive, params: dict) -> tuple[list, dict]:
+    # JAX 0.10 returns the params; earlier releases return (subfuns, params).
+    bind_params = primitive.get_bind_params(params)
+    if isinstance(bind_params, (tuple, list)):
+        subfuns, bind_params = bind_params
+        return list(subfuns), bind_params
+    return [], bind_params
+
+
+def _remember(eqn, subfuns, params, inputs, outputs) -> None:
+    """Record, for each traced output of `eqn`, how to compute its value from the
+    known values of `inputs`."""
+    known = _known.get()
+    assert known is not None
+
+    @ft.cache
+    def evaluate():
+        with jax.ensure_compile_time_eval(), eqn.ctx.manager:
+            out = eqn.primitive.bind(*subfuns, *map(_concrete, inputs), **params)
+        return out if eqn.primitive.multiple_results else [out]
+
+    for i, out in enumerate(outputs):
+        if isinstance(out, jax.core.Tracer):
+            known[id(out)] = (out, lambda i=i: evaluate()[i])
+
+
+def _evaluate(closed_jaxpr, *args):
+    """Evaluate `closed_jaxpr` on `args` equation by equation (as
+    `jax.core.eval_jaxpr` does), remembering the outputs whose values are known."""
+    jaxpr = closed_jaxpr.jaxpr
+    env: dict = dict(zip(jaxpr.constvars, closed_jaxpr.consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v):
+        return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        inputs = [read(v) for v in eqn.invars]
+        subfuns, params = _bind_params(eqn.primitive, eqn.params)
+        with eqn.ctx.manager:
+            out = eqn.primitive.bind(*subfuns, *inputs, **params)
+        outputs = out if eqn.primitive.multiple_results else [out]
+        if not eqn.effects and all(map(_is_known, inputs)):
+            _remember(eqn, subfuns, params, inputs, outputs)
+        env.update(zip(eqn.outvars, outputs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _tracking(fn: Callable) -> Callable:
+    """`fn` with a table of known values open while it runs (the enclosing one if
+    there is one, so that values known outside a nested body stay known in it)."""
+
+    @ft.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _known.get() is not None:
+            return fn(*args, **kwargs)
+        token = _known.set({})
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _known.reset(token)
+
+    return wrapper
+
+
+@quaxlike.register(jax.extend.core.primitives.jit_p)
+@_tracking
+def jit_p_unitful(*args: Unitful | ArrayLike, jaxpr, inline: bool = False, name="jit", **params):
+    from ._functions import known_function
+
+    function_rule = known_function(name, jaxpr, args)
+    if function_rule is not None:
+        return function_rule(*args)
+    if inline or any(_is_known(a) for a in args if not isinstance(a, Unitful)):
+        # Run the body's equations here, in the enclosing program (as the
+        # built-in rule does for an inline `jit`), so that what is known outside
+        # stays known inside: `jnp.var(x)` hands its `ddof` to its body as a
+        # literal, `jnp.where(c, x, jnp.nan)` its NaN. A `jit` is transparent:
+        # the values computed are the same either way.
+        return quaxlike.quaxify(ft.partial(_evaluate, jaxpr))(*args)
+    # Nothing known among the plain arguments: keep the `jit` boundary, as the
+    # built-in rule does. A `Unitful` is a PyTree whose unit is static, so it
+    # crosses it as it is. (Inside, every argument is a new tracer, known to
+    # nobody, so the body traces the same way every time JAX's cache is hit.)
+    return _jitted_body(jaxpr, name)(*args)
+
+
+# One `jax.jit`-wrapped body per (jaxpr, name), so that JAX's own cache sees the
+# same function when the same jitted function is called again. The body holds
+# the jaxpr weakly: a cache entry must not keep its key alive.
+_jitted_bodies: "weakref.WeakKeyDictionary[Any, dict[str, Callable]]" = weakref.WeakKeyDictionary()
+
+
+def _jitted_body(jaxpr, name: str) -> Callable:
+    per_name = _jitted_bodies.setdefault(jaxpr, {})
+    if name not in per_name:
+        jaxpr_ref = weakref.ref(jaxpr)
+
+        def body(*args):
+            return quaxlike.quaxify(_tracking(ft.partial(_evaluate, jaxpr_ref())))(*args)
+
+        body.__name__ = body.__qualname__ = name
+        per_name[name] = jax.jit(body)
+    return per_name[name]

@@ -1,0 +1,168 @@
+"""Rules for whole `jax.numpy` functions whose code is not written with units in mind.
+
+Most `jax.numpy` functions work on quantities primitive by primitive. A few guard
+against dividing by zero with a plain `1` (`jnp.hypot` divides by `where(h == 0,
+1, h)`; `jnp.interp` by `where(dx0, 1, dx)`, after comparing `dx` with a plain
+epsilon): the plain number meets a quantity, and the primitive rules refuse it,
+rightly, since they cannot know that it only stands where the quantity is zero.
+Others work on the bits of floats (`copysign`, `signbit`, `ldexp`), or go through
+`lu`, whose packed factors one unit cannot describe (`jnp.linalg.det`, `inv`,
+`solve`). Such functions get a rule of their own, as astropy has for the NumPy
+functions its ufunc rules do not cover: the units of the whole call are checked,
+and the function runs on the numbers.
+
+A `jax.numpy` function reaches the rules as a `jit` whose `name` is the function's;
+a call is taken to be that function only when its traced program is exactly the
+one JAX traces for the function itself on the same argument types (a user's own
+`jax.jit` function called `hypot` is not mistaken for `jnp.hypot`), and with the
+arguments the rule expects (`jnp.interp` with `left`, `right` or `period` given
+is not recognised, and goes primitive by primitive as any other function).
+"""
+
+import functools as ft
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+
+from ._rules import _array_of, _common_unit, _unit_of
+from ._value import UnitError, Unitful
+
+
+def _hypot(x1: Any, x2: Any) -> list:
+    # Both legs in one unit, which the hypotenuse keeps.
+    (a, b), unit = _common_unit("jnp.hypot", (x1, x2), (0, 1))
+    return [Unitful(jnp.hypot(a, b), unit)]
+
+
+def _interp(x: Any, xp: Any, fp: Any) -> list:
+    # `x` and the sample points `xp` in one unit; the result in that of `fp`.
+    (x, xp), _ = _common_unit("jnp.interp", (x, xp), (0, 1))
+    if isinstance(fp, Unitful):
+        return [Unitful(jnp.interp(x, xp, fp.array), fp.unit)]
+    return [jnp.interp(x, xp, fp)]
+
+
+def _nan_to_num(x: Any) -> list:
+    # NaN becomes 0 and +-inf the largest finite numbers, all in `x`'s unit.
+    return [Unitful(jnp.nan_to_num(x.array), x.unit)]
+
+
+def _copysign(x1: Any, x2: Any) -> list:
+    # The magnitude of `x1` (and its unit) with the sign of `x2` (any unit).
+    out = jnp.copysign(_array_of(x1), _array_of(x2))
+    return [Unitful(out, x1.unit) if isinstance(x1, Unitful) else out]
+
+
+def _signbit(x: Any) -> list:
+    return [jnp.signbit(x.array)]
+
+
+def _ldexp(x: Any, exponent: Any) -> list:
+    # `x * 2**exponent`: the exponent is a plain integer.
+    if isinstance(exponent, Unitful):
+        raise UnitError(
+            f"`jnp.ldexp` needs plain integer exponents, but got a quantity in {exponent.unit}."
+        )
+    return [Unitful(jnp.ldexp(x.array, exponent), x.unit)]
+
+
+def _det(x: Any) -> list:
+    # The product of `n` eigenvalues: the unit to the power `n`.
+    return [Unitful(jnp.linalg.det(x.array), x.unit ** x.shape[-1])]
+
+
+def _inv(x: Any) -> list:
+    return [Unitful(jnp.linalg.inv(x.array), x.unit**-1)]
+
+
+def _solve(a: Any, b: Any) -> list:
+    # `a x = b`: `x` in the unit of `b` over that of `a`.
+    out = jnp.linalg.solve(_array_of(a), _array_of(b))
+    return [Unitful(out, _unit_of(b) / _unit_of(a))]
+
+
+def _lstsq(a: Any, b: Any) -> list:
+    # `x` minimising `|a x - b|`: `x` in b's unit over a's, the residuals in b's
+    # squared, the singular values in a's; the rank is a plain number.
+    x, residuals, rank, singular = jnp.linalg.lstsq(_array_of(a), _array_of(b))
+    a_unit, b_unit = _unit_of(a), _unit_of(b)
+    return [
+        Unitful(x, b_unit / a_unit),
+        Unitful(residuals, b_unit**2),
+        rank,
+        Unitful(singular, a_unit),
+    ]
+
+
+def _searchsorted(side: str) -> Callable:
+    def rule(a: Any, v: Any) -> list:
+        # Where `v` would go among the sorted `a`: both in one unit; plain indices.
+        (a, v), _ = _common_unit("jnp.searchsorted", (a, v), (0, 1))
+        return [jnp.searchsorted(a, v, side=side)]
+
+    return rule
+
+
+# The `name` of the `jit` -> the variants it may be: (the `jax.numpy` function,
+# its rule, the number of arguments the rule takes). `jnp.interp(x, xp, fp,
+# left)` passes four arguments; `jnp.searchsorted(..., side="right")` (which
+# `jnp.digitize` calls) traces another program than `side="left"`.
+_FUNCTIONS: dict[str, list[tuple[Callable, Callable, int]]] = {
+    "hypot": [(jnp.hypot, _hypot, 2)],
+    "_interp": [(jnp.interp, _interp, 3)],
+    "nan_to_num": [(jnp.nan_to_num, _nan_to_num, 1)],
+    "copysign": [(jnp.copysign, _copysign, 2)],
+    "signbit": [(jnp.signbit, _signbit, 1)],
+    "ldexp": [(jnp.ldexp, _ldexp, 2)],
+    "det": [(jnp.linalg.det, _det, 1)],
+    "inv": [(jnp.linalg.inv, _inv, 1)],
+    "solve": [(jnp.linalg.solve, _solve, 2)],
+    "_lstsq": [(jnp.linalg.lstsq, _lstsq, 2)],
+    "searchsorted": [
+        (ft.partial(jnp.searchsorted, side=side), _searchsorted(side), 2)
+        for side in ("left", "right")
+    ],
+}
+
+# jaxpr -> name -> the index of the variant the jaxpr is (None: none of them).
+_verdicts: "weakref.WeakKeyDictionary[Any, dict[str, int | None]]" = weakref.WeakKeyDictionary()
+
+
+def _argument_type(x: Any) -> jax.ShapeDtypeStruct:
+    aval = x.aval() if isinstance(x, Unitful) else jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def _is_program_of(function: Callable, jaxpr: Any, args: tuple) -> bool:
+    try:
+        traced = jax.make_jaxpr(function)(*map(_argument_type, args))
+    except Exception:  # the function does not take these arguments
+        return False
+    eqns = traced.jaxpr.eqns
+    if len(eqns) != 1 or eqns[0].primitive is not jax.extend.core.primitives.jit_p:
+        return False
+    reference = eqns[0].params["jaxpr"]
+    return reference is jaxpr or str(reference) == str(jaxpr)
+
+
+def known_function(name: str, jaxpr: Any, args: tuple) -> Callable | None:
+    """The rule for the `jax.numpy` function whose program `jaxpr` is, if any."""
+    variants = _FUNCTIONS.get(name)
+    if variants is None:
+        return None
+    verdicts = _verdicts.setdefault(jaxpr, {})
+    if name not in verdicts:
+        verdicts[name] = next(
+            (
+                i
+                for i, (function, _, arity) in enumerate(variants)
+                if len(args) == arity and _is_program_of(function, jaxpr, args)
+            ),
+            None,
+        )
+    index = verdicts[name]
+    return None if index is None else variants[index][1]

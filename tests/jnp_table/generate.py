@@ -1,0 +1,50 @@
+"""Recompute the type x jax.numpy table and write `table.json` and the docs page.
+
+    python tests/jnp_table/generate.py            # every column, one process
+    python tests/jnp_table/generate.py --jobs 2   # columns spread over processes
+
+Run it after changing a rule of an example type (the test suite then fails until
+the committed table matches), and commit both files.
+"""
+
+import argparse
+import concurrent.futures
+import json
+import os
+import sys
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
+# As in the test suite: every rule's outputs checked against the primitive.
+os.environ.setdefault("QUAXLIKE_CHECK", "1")
+
+
+def _column(name: str) -> tuple[str, dict]:
+    from _columns import COLUMNS_BY_NAME
+    from _data import compute_column
+
+    return name, compute_column(COLUMNS_BY_NAME[name])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=1)
+    options = parser.parse_args()
+
+    from _data import as_data, columns_in_order, DATA, PAGE, render_page
+
+    names = columns_in_order()
+    if options.jobs > 1:
+        with concurrent.futures.ProcessPoolExecutor(options.jobs) as pool:
+            results = dict(pool.map(_column, names))
+    else:
+        results = dict(map(_column, names))
+    data = as_data({name: results[name] for name in names})
+    DATA.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+    PAGE.write_text(render_page(data), encoding="utf-8")
+    print(f"wrote {DATA} and {PAGE}")
+
+
+if __name__ == "__main__":
+    main()
