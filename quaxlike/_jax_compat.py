@@ -209,6 +209,7 @@ take_current_trace = _first((jex_core, "take_current_trace"), (_core, "take_curr
     _unavailable("take_current_trace", "running a quaxified function")
 )
 
+
 def current_trace_reader(core, extend_core) -> Callable[[], Any]:
     """A function returning the trace every `bind` would go to right now: the
     `trace_ctx.trace` attribute (all releases tested), else

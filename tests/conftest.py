@@ -1,12 +1,10 @@
 import os
 import sys
 
-
 # The suite runs as users run quaxlike: checked mode off, unless the environment
 # turns it on (`.ci/run` runs the core and conformance tests a second time with
 # QUAXLIKE_CHECK=1, comparing every rule's outputs with the primitive's abstract
 # evaluation). Read once, when quaxlike is first imported.
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -160,14 +160,6 @@ def test_lora_conv_kernel_draw():
     assert identical(kernel.a, jr.normal(jr.key(9), (8, 2)) * 0.01)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lora/_value.py: `_initial_factors` multiplies by `scale` inside one jit "
-    "with the normal draw, and XLA folds `scale` into the draw's constants, so most "
-    "entries of A differ from Quax's in the last bit. Fix: wrap the draw in "
-    "`lax.optimization_barrier` before `* scale` (as `_conv.scaled_normal` does); "
-    "`loraify` already redraws A that way.",
-)
 def test_lora_array_draws_as_quax():
     w = jnp.zeros((8, 5))
     lora = LoraArray(w, rank=2, key=jr.key(11))

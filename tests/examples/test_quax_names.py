@@ -430,12 +430,10 @@ def test_quax_style_quantities_compute_as_plain_jax(getseed):
         quaxlike.quaxify(lambda a, t: a + t)(a, unitful.Unitful(b_, unitful.seconds))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="unitful/_value.py (owned by h/unitstable): Unitful.__init__ should accept "
-    "Quax's {dimension: power} dict via as_unit, and expose `.units` via units_of",
-)
 def test_quax_unitful_constructor_and_units():
-    x = unitful.Unitful(jnp.ones(2), {unitful.meters: 1})  # pyright: ignore[reportArgumentType]
+    x = unitful.Unitful(jnp.ones(2), {unitful.meters: 1})
     assert x.unit == unitful.m
-    assert x.units == {unitful.meters: 1}  # pyright: ignore[reportAttributeAccessIssue]
+    assert x.units == {unitful.meters: 1}
+    speed = unitful.Unitful(jnp.ones(2), {unitful.meters: 1, unitful.seconds: -1})
+    assert speed.unit == unitful.m / unitful.s
+    assert speed.units == {unitful.meters: 1, unitful.seconds: -1}

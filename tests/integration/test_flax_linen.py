@@ -150,11 +150,6 @@ def test_quantize_kernels(params, data, bits):
     assert tree_allclose(out, expected, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="quantized: quantize() selects only eqx.nn.Linear weights by default and "
-    "returns a tree with none (a linen params dict) unchanged, without an error",
-)
 def test_quantize_without_where_does_not_silently_do_nothing(params):
     try:
         qparams = quantize(params, bits=8)
@@ -163,7 +158,6 @@ def test_quantize_without_where_does_not_silently_do_nothing(params):
     assert all(isinstance(k, QuantizedArray) for k in kernels(qparams))
 
 
-@pytest.mark.xfail(strict=True, reason="needs QLoRA (branch h/qlora)")
 def test_qlora_forward_grads_and_training(params, data):
     qparams = quantize(params, bits=4, group_size=4, where=kernels)
     model = with_nonzero_b(loraify(qparams, rank=2, key=jr.key(2), where="**.kernel", scale=0.3))

@@ -189,7 +189,6 @@ def test_quantize_kernels(data, bits):
     assert tree_allclose(out, expected, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.xfail(strict=True, reason="needs QLoRA (branch h/qlora)")
 def test_qlora_lora_array_over_int4_kernel(data):
     layer = nnx.Linear(IN, WIDTH, rngs=nnx.Rngs(0))
     int4 = quantize_int4(layer.kernel.get_value(), group_size=4)
@@ -202,7 +201,6 @@ def test_qlora_lora_array_over_int4_kernel(data):
     assert tree_allclose(out, dense(dequantize(layer))(data[0]), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.xfail(strict=True, reason="needs QLoRA (branch h/qlora)")
 def test_qlora_training_in_place(data):
     qmodel = quantize(plain_model(), bits=4, group_size=4, where=kernels)
     model = with_nonzero_b(loraify(qmodel, rank=2, key=jr.key(2), where="**.kernel.value"))

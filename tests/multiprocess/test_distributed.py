@@ -113,6 +113,5 @@ def test_lora_training_across_two_processes(tmp_path):
     _check_against_one_process("lora", tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason="needs QLoRA (branch h/qlora)")
 def test_qlora_training_across_two_processes(tmp_path):
     _check_against_one_process("qlora", tmp_path)

@@ -8,12 +8,11 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
-import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
 import quaxlike
 
-from ._conv import dense_kernel, LoraConvKernel, scaled_normal
+from ._conv import dense_kernel, LoraConvKernel
 from ._value import _dense, LoraArray
 
 
@@ -279,12 +278,7 @@ def _adapted(leaf, path: str, layer: Any, key, *, rank, scale, allow_materialise
                 )
             )
         return LoraConvKernel(leaf, rank=rank, scale=scale, key=key, out_axis=0, **flags)
-    lora = LoraArray(leaf, rank=rank, scale=scale, key=key, **flags)
-    # Drawn again, as Quax draws it: LoraArray's own draw can differ from Quax's in
-    # the last bit (see README.md, "Same key, same start as Quax").
-    *batch, m, _ = leaf.shape
-    a = scaled_normal(key, (*batch, m, int(rank)), scale, np.dtype(leaf.dtype))
-    return lora.with_factors(lora.w, a, lora.b)
+    return LoraArray(leaf, rank=rank, scale=scale, key=key, **flags)
 
 
 def adapted_paths(model: PyTree) -> list[str]:

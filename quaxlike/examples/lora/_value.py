@@ -178,9 +178,12 @@ class LoraArray(quaxlike.ArrayValue):
 
 @ft.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
 def _initial_factors(key, scale, batch, m, n, rank, dtype):
-    # One compiled program per shape, rather than one per operation.
-    a = jr.normal(key, (*batch, m, rank), dtype=dtype) * jnp.asarray(scale, dtype)
-    return a, jnp.zeros((*batch, rank, n), dtype=dtype)
+    # One compiled program per shape, rather than one per operation. The barrier
+    # keeps XLA from folding `scale` into the constants of the normal draw (which
+    # changes the last bit of most entries), so `A` is bit for bit what Quax
+    # draws op by op for the same key.
+    draw = lax.optimization_barrier(jr.normal(key, (*batch, m, rank), dtype=dtype))
+    return draw * jnp.asarray(scale, dtype), jnp.zeros((*batch, rank, n), dtype=dtype)
 
 
 def _dense(w, a, b):

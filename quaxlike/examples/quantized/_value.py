@@ -34,6 +34,12 @@ _BAD_GROUP_MSG = (
     "Pick a group size that divides {size}, or leave this weight out with `where=`."
 )
 _BAD_BITS_MSG = "`quantize`: `bits` must be 8 or 4; got {bits!r}."
+_NO_LINEAR_MSG = (
+    "`quantize(model)` found no `eqx.nn.Linear` in the model ({type_name}), so it would "
+    "quantise nothing. For another kind of model, say which weights to quantise "
+    "with `where=`, a function returning them (as for `eqx.tree_at`), for a Flax "
+    'params dict for example `where=lambda p: [p["params"]["Dense_0"]["kernel"]]`.'
+)
 _BAD_BLOCK_MSG = (
     "`{function}`: `block_bytes` (how many bytes of dequantised weight a matrix product "
     "builds at a time) must be a positive int; got {got!r}."
@@ -500,6 +506,11 @@ def quantize(
 
     The model with quantised weights.
 
+    **Raises:**
+
+    `ValueError` if `where` is not given and the model has no `eqx.nn.Linear`
+    (rather than returning it unchanged).
+
     !!! example
 
         ```python
@@ -519,6 +530,8 @@ def quantize(
     else:
         raise ValueError(_BAD_BITS_MSG.format(bits=bits))
     if where is None:
+        if not _linear_weights(model):
+            raise ValueError(_NO_LINEAR_MSG.format(type_name=type(model).__qualname__))
         where = _linear_weights
     selected = where(model)
     if isinstance(selected, (list, tuple)):

@@ -14,6 +14,7 @@ from jaxtyping import ArrayLike
 import quaxlike
 from quaxlike.internal import materialise_value, ShapedArray
 
+from ._quax_names import as_unit, units_of
 from ._unit import dimensionless, Unit
 
 
@@ -116,7 +117,9 @@ class Unitful(quaxlike.ArrayValue):
     array: ArrayLike
     unit: Unit = eqx.field(static=True)
 
-    def __init__(self, array: ArrayLike, unit: Unit = dimensionless):
+    def __init__(self, array: ArrayLike, unit: Unit | dict = dimensionless):
+        if isinstance(unit, dict):
+            unit = as_unit(unit)  # Quax's form, `{meters: 1}`
         if not isinstance(unit, Unit):
             raise TypeError(
                 f"Unitful's `unit` must be a `Unit` (such as `m / s`); got {unit!r} of "
@@ -124,6 +127,11 @@ class Unitful(quaxlike.ArrayValue):
             )
         self.array = array if isinstance(array, jax.Array) else jnp.asarray(array)
         self.unit = unit
+
+    @property
+    def units(self) -> dict:
+        """The unit in Quax's form, `{meters: 1, seconds: -1}`."""
+        return units_of(self.unit)
 
     def aval(self) -> ShapedArray:
         aval = jax.typeof(self.array)
