@@ -218,6 +218,15 @@ class messages:
         '    @quaxlike.register("{primitive}")\n'
         "    def {rule_name}({annotations}, **params): ..."
     )
+    BUILT_IN_RULE_NEEDED_DENSE = (
+        "quaxlike's built-in rule for `{primitive}` needed the {type_name} as a dense "
+        "array (a loop carry or branch output whose type changed between iterations "
+        "or branches, a loop predicate, or a `shard_map` operand whose leaves do not "
+        "follow its axes), and its `materialise()` refused: {error}\n"
+        "Ways out: keep the type the same across iterations and branches (start a "
+        "carry as a {type_name}, not as a plain array), or register a rule for "
+        '`{primitive}` with this type: `@quaxlike.register("{primitive}")`.'
+    )
     MATERIALISE_LOOP = (
         "`{type_name}.materialise()` kept returning Values more than 100 times; it must "
         "eventually return an ordinary array."

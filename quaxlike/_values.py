@@ -333,8 +333,9 @@ def materialise_value(
         and a type whose `materialise()` raises gets a
         `quaxlike.MaterialisationError` that names `primitive` and shows the rule
         to register.
-    - `operands`: all of `primitive`'s operands, for that rule's signature
-        (default: just `value`).
+    - `operands`: all of `primitive`'s operands, for that rule's signature; `None`
+        (the default) when a built-in rule, not a missing one, needs `value` dense
+        (a loop carry whose type changed, say), which the error then says.
     - `aval`: `value.aval()`, when already known and checked.
 
     **Returns:**
@@ -355,18 +356,15 @@ def materialise_value(
     if not fallback:
         return _materialise_as(value, aval, primitive)
     _policy.on_fallback(value, primitive)
-    try:
-        return _materialise_as(value, aval, primitive)
-    except QuaxlikeError:
-        raise
-    except Exception as error:
-        raise _refused(
-            value, primitive, (value,) if operands is None else operands, error
-        ) from error
+    return _materialise_as(
+        value, aval, primitive, refused=lambda error: _refused(value, primitive, operands, error)
+    )
 
 
-def _materialise_as(value: Value, aval: jc.AbstractValue, primitive) -> Any:
-    out = value.materialise()
+def _materialise_as(value: Value, aval: jc.AbstractValue, primitive, refused=None) -> Any:
+    """`materialise_value` once `aval` is known. `refused(error)` makes the error
+    to raise when a `materialise()` raises (its own error, unchanged, if `None`)."""
+    out = _call_materialise(value, refused)
     if getattr(out, "aval", None) is aval:
         # The very abstract value promised (a field handed back as it is).
         return out
@@ -377,7 +375,7 @@ def _materialise_as(value: Value, aval: jc.AbstractValue, primitive) -> Any:
             raise QuaxlikeError(
                 messages.MATERIALISE_LOOP.format(type_name=type(value).__qualname__)
             )
-        out = out.materialise()
+        out = _call_materialise(out, refused)
     out_aval = getattr(out, "aval", None)  # jax.Array and tracers (cheaper than np.shape)
     if isinstance(out_aval, jc.ShapedArray):
         out_shape, out_dtype = out_aval.shape, out_aval.dtype
@@ -399,15 +397,33 @@ def _materialise_as(value: Value, aval: jc.AbstractValue, primitive) -> Any:
     return out
 
 
+def _call_materialise(value: Value, refused) -> Any:
+    try:
+        return value.materialise()
+    except MaterialisationError:
+        raise  # already says which primitive and type
+    except Exception as error:
+        if refused is None:
+            raise
+        raise refused(error) from error
+
+
 def _is_weak_python_scalar(x) -> bool:
     return isinstance(x, (bool, int, float, complex))
 
 
-def _refused(value: Value, primitive, operands: Sequence[Any], error: Exception):
+def _refused(value: Value, primitive, operands: Sequence[Any] | None, error: Exception):
     """The error for a type whose `materialise()` raised where `primitive` had no
-    rule: what happened, and the rule to register instead."""
+    rule (`operands` given) or a built-in rule needed it dense: what happened,
+    and the way out."""
     type_name = type(value).__name__
     name = getattr(primitive, "name", str(primitive))
+    if operands is None:
+        return MaterialisationError(
+            messages.BUILT_IN_RULE_NEEDED_DENSE.format(
+                primitive=name, type_name=type_name, error=f"{type(error).__name__}: {error}"
+            )
+        )
     annotations = ", ".join(
         f"x{i}: {type(v).__name__}" if isinstance(v, Value) else f"x{i}: ArrayLike"
         for i, v in enumerate(operands)

@@ -21,7 +21,15 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-import optax
+
+
+try:
+    import optax
+except ModuleNotFoundError as error:  # the demo's one dependency beyond quaxlike's
+    raise SystemExit(
+        "The demo needs optax, which quaxlike itself does not: install it with "
+        '`pip install "quaxlike[demo]"` (or `pip install ".[demo]"` from a checkout).'
+    ) from error
 
 import quaxlike
 from quaxlike.examples.lora import partition, qlora
@@ -262,9 +270,10 @@ LENGTH, BATCH, WIDTH, DEPTH, HEADS, RANK = 32, 16, 128, 2, 4, 8
 BIG = 1024  # the width at which the memory is compared too
 
 
-def main(steps: int = 150, pretrain_steps: int | None = None) -> None:
+def main(steps: int = 150, pretrain_steps: int | None = None, compare_width: int = BIG) -> None:
     """Pre-train on the first text for `pretrain_steps` steps (default
-    `steps`), then fine-tune with QLoRA on the second for `steps`."""
+    `steps`), then fine-tune with QLoRA on the second for `steps`. Memory is
+    also compared at `compare_width`, where the weights dominate (`0`: not)."""
     start = time.perf_counter()
     pretrain_steps = steps if pretrain_steps is None else pretrain_steps
     animals, machines = sentences("animals", 400, 1), sentences("machines", 400, 2)
@@ -295,7 +304,6 @@ def main(steps: int = 150, pretrain_steps: int | None = None) -> None:
     biggest, largest = max(w.size for w in weights), largest_dequantized(jaxpr)
     trainable, total = _count(partition(tuned)[0]), _count(full(model)[0])
     qlora_peak, full_peak = peak_bytes(qlora_step), peak_bytes(full_step)
-    big_qlora, big_full = step_peaks(BIG)
 
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
     print(
@@ -309,10 +317,12 @@ def main(steps: int = 150, pretrain_steps: int | None = None) -> None:
         f"  peak memory of a training step (XLA's memory_analysis()): {mib(qlora_peak)}, "
         f"against {mib(full_peak)} to fine-tune the float32 model ({qlora_peak / full_peak:.2f}x);"
     )
-    print(
-        f"    at width {BIG}, where the weights outweigh the activations: "
-        f"{mib(big_qlora)} against {mib(big_full)} ({big_qlora / big_full:.2f}x)"
-    )
+    if compare_width:
+        big_qlora, big_full = step_peaks(compare_width)
+        print(
+            f"    at width {compare_width}, where the weights outweigh the activations: "
+            f"{mib(big_qlora)} against {mib(big_full)} ({big_qlora / big_full:.2f}x)"
+        )
     print(
         f"  nothing densified: the training step dequantises at most {largest:,} "
         f"values at once; the largest weight has {biggest:,}"

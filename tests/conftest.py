@@ -24,15 +24,27 @@ _WITHOUT_LEAK_CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 
 
 # Strict dtype and rank promotion (no implicit int -> float or float32 -> float64
-# mixing, no implicit rank broadcasting), where a test allows it: a test that
-# checks promotion itself, or runs user code that relies on it, opts out with
-# `@pytest.mark.loose_promotion` (or a module's `pytestmark`).
+# mixing, no implicit rank broadcasting) for the tests of the framework itself
+# and the conformance table, where the tests allow it: a test that checks
+# promotion itself, or runs user code that relies on it, opts out with
+# `@pytest.mark.loose_promotion` (or a module's `pytestmark`). The example
+# types' tests, the integration and multi-process tests, the jax.numpy table and
+# the documentation pages run user-style code, with JAX's default promotion.
 _STRICT_PROMOTION = os.environ.get("QUAXLIKE_TEST_STRICT_PROMOTION", "1") == "1"
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_USER_STYLE = tuple(
+    os.path.join(_TESTS, d) + os.sep
+    for d in ("examples", "integration", "multiprocess", "jnp_table", "docs", "multidevice")
+)
 
 
 @pytest.fixture(autouse=True)
 def _strict_promotion(request):
-    if not _STRICT_PROMOTION or request.node.get_closest_marker("loose_promotion"):
+    if (
+        not _STRICT_PROMOTION
+        or request.node.get_closest_marker("loose_promotion")
+        or str(request.node.path).startswith(_USER_STYLE)
+    ):
         yield
         return
     with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):

@@ -100,6 +100,7 @@ _BINARY = [
 
 
 @pytest.mark.parametrize("op, forward, reflected", _BINARY, ids=[op.__name__ for op, *_ in _BINARY])
+@pytest.mark.loose_promotion  # operands of other dtypes and ranks, on purpose
 def test_binary_operator(op, forward, reflected, getseed):
     x = jnp.abs(randn(getseed(), (3, 2))) + 0.5
     v = OpPassThrough(x)

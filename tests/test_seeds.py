@@ -38,6 +38,11 @@ from quaxlike.examples import lora as ql_lora, zero as ql_zero
 from quaxlike.internal import ShapedArray
 
 
+# Seed scenarios and training loops are user code, written with JAX's default
+# dtype and rank promotion.
+pytestmark = pytest.mark.loose_promotion
+
+
 @pytest.fixture
 def allow_rank_promotion():
     # The seed examples add a (d,) bias to (..., d) activations. The test suite runs

@@ -567,6 +567,7 @@ CASES = [
         prims=("axis_index", "mul"),
         valueless="axis_index",
         axis_name="i",
+        loose_promotion=True,
     ),
     # --- mixtures that pass Values through several higher-order primitives --------
     case(

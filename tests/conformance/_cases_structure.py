@@ -195,6 +195,7 @@ CASES = [
         f32(3),
         i32(2),
         prims=("concatenate", "convert_element_type"),
+        loose_promotion=True,
     ),
     case("hstack", lambda x, y: jnp.hstack([x, y]), f32(3, 4), f32(3, 2), prims="concatenate"),
     case("stack", lambda x, y: jnp.stack([x, y]), f32(3, 4), f32(3, 4), prims="stack"),
@@ -243,6 +244,7 @@ CASES = [
         f32(3, 4),
         prims=("iota", "add"),
         valueless="iota",
+        loose_promotion=True,
     ),
     case(
         "iota-broadcasted",
@@ -492,7 +494,9 @@ CASES = [
     case("matvec", jnp.matmul, f32(3, 4), f32(4), prims="dot_general"),
     case("matmul-int", jnp.matmul, i32(3, 4), i32(4, 2), prims="dot_general"),
     case("matmul-complex", jnp.matmul, c64(3, 4), c64(4, 2), prims="dot_general"),
-    case("matmul-mixed", jnp.matmul, f32(3, 4), i32(4, 2), prims="dot_general"),
+    case(
+        "matmul-mixed", jnp.matmul, f32(3, 4), i32(4, 2), prims="dot_general", loose_promotion=True
+    ),
     case(
         "einsum",
         lambda x, y: jnp.einsum("ij,jk->ik", x, y),

@@ -128,6 +128,8 @@ class Case:
     - `all_values`: whether, with a Value in every position, every output must be
         a Value (False where the core legitimately materialises, e.g. a scan carry
         that starts as a plain array).
+    - `loose_promotion`: the row mixes dtypes or ranks on purpose, so it runs
+        with JAX's default promotion rather than the suite's strict one.
     - `xfail`: mode -> reason, marking known bugs; modes are "values" (every run
         with a Value), "position", "dense", "jit", "grad", "vmap", "jit_inside",
         "vmap_inside" and "leak".
@@ -145,6 +147,7 @@ class Case:
     axis_name: str | None = None
     compare: str = "values"
     all_values: bool = True
+    loose_promotion: bool = False
     xfail: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def array_positions(self) -> list[int]:

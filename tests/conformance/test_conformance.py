@@ -64,6 +64,8 @@ def _marks(c: Case, mode: str, *, sampled: bool) -> list:
     reason = c.xfail.get(mode) or (c.xfail.get("values") if mode in _VALUE_MODES else None)
     if reason is not None:
         marks.append(pytest.mark.xfail(reason=reason, strict=True))
+    if c.loose_promotion:
+        marks.append(pytest.mark.loose_promotion)
     return marks
 
 

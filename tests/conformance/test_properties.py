@@ -12,6 +12,7 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from _table import assert_same, Tracked
 
 import quaxlike
@@ -117,6 +118,7 @@ def _binary_problem(draw):
     return name, (x, y), _wrap_some(draw, (x, y))
 
 
+@pytest.mark.loose_promotion  # mixes dtypes on purpose
 def test_elementwise_binary(examples):
     @_settings(examples(30))
     @hypothesis.given(_binary_problem())

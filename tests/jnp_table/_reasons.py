@@ -10,16 +10,8 @@ from _columns import COLUMNS_BY_NAME
 
 
 # (column, function) -> why the cell is unclear: core bugs, described for the
-# core, each with a strict xfail reproduction in test_jnp_table.py.
-_SCAN_CARRY = (
-    "core bug: `scan`'s carry fallback materialises a carry whose type changed "
-    "(here a plain zero that becomes a {type}) and lets the type's refusal escape as "
-    "it is, without naming `scan` (see `test_scan_carry_refusal_names_scan`)"
-)
-KNOWN_CORE_BUGS: dict[tuple[str, str], str] = {
-    ("sparse", "jnp.polyval"): _SCAN_CARRY.format(type="BCOO"),
-    ("unitful", "jnp.polyval"): _SCAN_CARRY.format(type="Unitful"),
-}
+# core, each with a strict xfail reproduction in test_jnp_table.py. (None now.)
+KNOWN_CORE_BUGS: dict[tuple[str, str], str] = {}
 
 
 # --- unitful --------------------------------------------------------------------------
@@ -41,6 +33,12 @@ _TOP_LEVEL_CONSTANT = (
 )
 
 _UNITFUL = {
+    "jnp.polyval": (
+        "its loop starts the running value as a plain zero array, which becomes a "
+        "quantity in the first step: a loop carry must keep its type, and a plain "
+        "zero cannot be given a unit after the fact (the error says so, naming "
+        "`scan`)."
+    ),
     **dict.fromkeys(
         [
             f"primitive:{p}"

@@ -18,7 +18,7 @@ from _reasons import KNOWN_CORE_BUGS, reason_for
 from _signatures import EXCLUDED, public_functions
 
 import quaxlike
-from quaxlike.examples.unitful import m, Unitful
+from quaxlike.examples.unitful import m, UnitError, Unitful
 
 
 _REGENERATE = "run `python tests/jnp_table/generate.py` and commit table.json and the page"
@@ -89,17 +89,12 @@ def test_column_compiled(name):
 # --- core bugs the table found ---------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: scan's carry fallback lets a type's refusal to materialise escape "
-    "without naming scan (KNOWN_CORE_BUGS)",
-)
-def test_scan_carry_refusal_names_scan():
-    # The carry starts as plain zeros and becomes a quantity: the core
-    # materialises it, and Unitful refuses. The error should be a
-    # MaterialisationError naming `scan`, as for a primitive with no rule.
+def test_a_plain_carry_meeting_a_quantity_is_refused_naming_the_operation():
+    # `jnp.polyval`'s pattern: the carry starts as plain zeros and meets a
+    # quantity inside the loop. That is refused where it happens, naming `add`
+    # and the way out (a traced plain array could be anything, not only 0).
     def f(x):
         return jax.lax.scan(lambda c, x: (c + x, None), jnp.zeros(()), x)[0]
 
-    with pytest.raises(quaxlike.MaterialisationError, match="scan"):
+    with pytest.raises(UnitError, match="`add` got a plain array"):
         jax.jit(quaxlike.quaxify(f))(Unitful(jnp.ones(3), m))

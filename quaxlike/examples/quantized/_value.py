@@ -288,7 +288,7 @@ def _nibbles(packed: Array) -> tuple[Array, Array]:
 def _unpack_nibbles(packed: Array) -> Array:
     # Shifts by (0, 4) broadcast along a new last axis give the nibbles of each
     # byte in column order, low first.
-    shifts = jnp.array([0, 4], jnp.uint8)
+    shifts = jnp.array([0, 4], jnp.uint8).reshape((1,) * packed.ndim + (2,))
     nibbles = ((packed[..., None] >> shifts) & 0xF).astype(jnp.int8) - _INT4_OFFSET
     return nibbles.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 

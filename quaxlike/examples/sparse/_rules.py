@@ -14,6 +14,8 @@ through broadcasting and squeezing batch dimensions. The other rules work on
 its `unbatched` form, with the batch positions as leading coordinates.
 """
 
+from typing import Any
+
 import jax
 import jax.core
 import jax.numpy as jnp
@@ -371,7 +373,7 @@ def reduce_sum_p_bcoo(x: BCOO, *, axes, **params) -> Array | BCOO:
 @quaxlike.register(lax.broadcast_in_dim_p)
 def broadcast_in_dim_p_bcoo(
     x: BCOO, *dynamic_shape: ArrayLike, shape, broadcast_dimensions, **params
-) -> BCOO:
+) -> Any:  # a BCOO, or NotImplemented
     # New leading dimensions, and size-1 batch dimensions grown, become batch
     # dimensions: `data` and `indices` are broadcast, the sparse part is kept.
     # (This is how NumPy broadcasting meets a BCOO: `x + y` with `y` of higher
@@ -395,7 +397,7 @@ def broadcast_in_dim_p_bcoo(
 
 
 @quaxlike.register(lax.squeeze_p)
-def squeeze_p_bcoo(x: BCOO, *, dimensions, **params) -> BCOO:
+def squeeze_p_bcoo(x: BCOO, *, dimensions, **params) -> Any:  # a BCOO, or NotImplemented
     dimensions = tuple(dimensions)
     shape = tuple(size for d, size in enumerate(x.shape) if d not in dimensions)
     if not shape:
