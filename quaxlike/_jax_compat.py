@@ -23,12 +23,13 @@ Inventory (what, what for, where it exists, fallback):
 | `EvalTrace` | "is this eager?" | `jax._src.core` (all) | none is eager (always the traced paths) |
 | `pytype_aval_mappings` | `jax.typeof` fast path for QuaxTracer | `jax._src.core` (all) | skipped (JAX walks the MRO) |
 | `scan_p` params | consts/carry counts | `num_consts`, `num_carry` up to 0.10; `ft_in` flat trees from 0.11 | `scan_layout` reads both; else raises |
+| `Primitive.get_bind_params` | re-binding an equation | `(subfuns, params)` up to 0.8; the params alone from 0.9 | `bind_params` returns the pair for both |
 | custom_vjp hook's `bwd` output | calling a user's `bwd` on Values | the cotangents up to 0.10; `(cotangents, logs)` from 0.11 (`_flatten_bwd` has `with_logs`) | `custom_vjp_cotangents` unpacks both |
 | `jit_p` param `inline` | "inlined at trace time?" | `bool` up to 0.10; `jax.Inline` enum from 0.11 (`JAX_EARLY` inlines) | `jit_inlines_at_trace` normalises both; unknown values count as not inlined |
 | `jit_p`, `closed_call_p`, `call_p`, `custom_jvp_call_p`, `custom_vjp_call_p` | higher-order rules | `jax.extend.core.primitives` (all) | `jax._src.pjit` / `jax._src.core` / `jax._src.custom_derivatives`; else an inert stand-in primitive |
 | `remat_p` | `jax.checkpoint` rule | `jax.extend.core.primitives` from 0.8; `jax._src.ad_checkpoint` (all) | stand-in |
 | `shard_map_p`, `pvary_p`, `sharding_constraint_p` | sharding rules | `jax._src.shard_map`, `jax._src.core`, `jax._src.pjit` | stand-ins (their rules never match) |
-| `shard_map` hook protocol | the shard_map rule | <= 0.8: `fun` a `WrappedFun`, `out_specs_thunk` and `manual_axes` params, a list returned; from 0.9: `fun` returns a `FlatTree` with out specs as aux, one returned | `SHARD_MAP_RETURNS_FLAT_TREE` probe; `FlatTree` from `jax._src.tree_util` (0.8-0.10) or `jax._src.flattree` (0.11+) |
+| `shard_map` hook protocol | the shard_map rule | <= 0.8: `fun` a `WrappedFun`, `out_specs_thunk` and `manual_axes` params, a list returned; from 0.9: `fun` returns a `FlatTree` with out specs as aux, one returned | `SHARD_MAP_RETURNS_FLAT_TREE` probe; `FlatTree` from `jax._src.tree_util` with `FlatTree.flatten` (0.8-0.10) or `jax._src.flattree` with `flatten` (0.11+) |
 | varying manual axes of an aval | shard_map bodies with `check_vma` | `aval.vma` up to 0.9; `aval.mat.varying` / `ManualAxisType` from 0.10 | `varying_axes`/`with_varying_axes` read and write both forms; else no axes |
 | `config._check_vma`, `config.disable_jit`, `config.check_tracer_leaks` | reading JAX's switches | `jax._src.config` (all) | treated as off |
 | `JaxprEqnContext()` interned | skip entering an equation's context | from 0.10.2 | entered for every equation |
@@ -341,6 +342,18 @@ def binder(primitive_class) -> Callable[[Any, Any, list, dict], Any]:
 bind_with_trace = binder(Primitive)
 
 
+def bind_params(primitive, params) -> tuple[list, dict]:
+    """`(subfuns, params)` to re-bind an equation of `primitive` with `params`:
+    `primitive.bind(*subfuns, *args, **params)`. `get_bind_params` returns that
+    pair up to jax 0.8, and the params alone (with any functions inside them)
+    from 0.9."""
+    out = primitive.get_bind_params(params)
+    if isinstance(out, tuple):
+        subfuns, new_params = out
+        return list(subfuns), new_params
+    return [], out
+
+
 # The one-shot functions JAX hands to trace hooks (`()` when absent, so that
 # `isinstance(x, WrappedFun)` is simply False).
 WrappedFun: Any = _first((_lu, "WrappedFun")) or ()
@@ -410,9 +423,29 @@ _INLINE_EARLY = getattr(_Inline, "JAX_EARLY", None)
 
 def jit_inlines_at_trace(inline) -> bool:
     """Whether a `jit` equation with this `inline` param is inlined where it is
-    traced (as `jax.numpy`'s functions are). Up to jax 0.10 the param is a
-    bool; from 0.11 it is a `jax.Inline`, and only `JAX_EARLY` inlines at trace
-    time (`True` given to `jax.jit` becomes `JAX_LATE`, inlined when lowering)."""
+    traced, as `jax.numpy`'s functions are.
+
+    Up to jax 0.10 the param is a bool; from 0.11 it is a `jax.Inline`, and only
+    `Inline.JAX_EARLY` inlines at trace time (`inline=True` given to `jax.jit`
+    becomes `JAX_LATE`, inlined when lowering). A rule for `jit_p` should ask
+    this rather than test the param's truth (every `jax.Inline` is truthy).
+
+    **Arguments:**
+
+    - `inline`: the `inline` param of a `jit_p` equation.
+
+    **Returns:**
+
+    `True` if JAX inlines the call where it is traced.
+
+    !!! example
+
+        ```python
+        jaxpr = jax.make_jaxpr(lambda x: jax.jit(jnp.sin)(x))(1.0)
+        (eqn,) = jaxpr.eqns
+        assert not quaxlike.internal.jit_inlines_at_trace(eqn.params["inline"])
+        ```
+    """
     if inline is True or inline is False:
         return inline
     return _INLINE_EARLY is not None and inline is _INLINE_EARLY
@@ -482,9 +515,11 @@ def lax_primitive_by_name(name: str):
 
 # --- shard_map -----------------------------------------------------------------
 
-FlatTree: Any = _first(
-    (_module("jax._src.flattree"), "FlatTree"), (_module("jax._src.tree_util"), "FlatTree")
-)
+_flattree = _module("jax._src.flattree")
+FlatTree: Any = _first((_flattree, "FlatTree"), (_module("jax._src.tree_util"), "FlatTree"))
+# Building one from a list: a classmethod `FlatTree.flatten` (jax 0.8 to 0.10),
+# a function `jax._src.flattree.flatten` (0.11+).
+_flatten_to_flat_tree = _first((FlatTree, "flatten"), (_flattree, "flatten"))
 
 
 def _takes_subfuns_param(primitive_class) -> bool:
@@ -533,9 +568,11 @@ def bind_shard_map(
     the flat outputs."""
     params: dict[str, Any] = dict(hook_params, in_specs=tuple(flat_in_specs))
     if SHARD_MAP_RETURNS_FLAT_TREE:
+        if _flatten_to_flat_tree is None:
+            raise missing("a way to build a FlatTree", "shard_map over Values")
 
         def flat_tree_body(*xs):
-            return FlatTree.flatten(body(*xs)).with_aux(tuple(flat_out_specs_of()))
+            return _flatten_to_flat_tree(body(*xs)).with_aux(tuple(flat_out_specs_of()))
 
         debug_info = params.get("debug_info")
         if renamed and hasattr(debug_info, "with_unknown_names"):

@@ -36,6 +36,12 @@ _JAX_OPERAND_ERROR = re.compile(
 )
 
 
+# Before jax 0.9 the error names neither the primitive nor the position.
+_OLD_JAX_OPERAND_ERROR = re.compile(
+    r"Argument '.*' of type '?<class '([\w.<>]+)'>'? is not a valid JAX type", re.DOTALL
+)
+
+
 _PYTHON_OPERATOR_ERROR = re.compile(
     r"unsupported operand type\(s\) for (\S+): '([\w.]+)' and '([\w.]+)'"
 )
@@ -60,9 +66,13 @@ def _unlifted_value_error(error: TypeError) -> QuaxlikeError | None:
                 )
         return None
     match = _JAX_OPERAND_ERROR.search(str(error))
-    if match is None:
-        return None
-    primitive, qualified_name, position = match.groups()
+    if match is not None:
+        primitive, qualified_name, position = match.groups()
+    else:
+        match = _OLD_JAX_OPERAND_ERROR.search(str(error))
+        if match is None:
+            return None
+        (qualified_name,), primitive, position = match.groups(), "a primitive", "unknown"
     type_name = qualified_name.rsplit(".", 1)[-1]
     if type_name not in known:
         return None

@@ -137,7 +137,7 @@ def _eqn_only_materialises(eqn, args, eager_trace) -> bool:
         return False
     # A nested call: the trace materialises at that call exactly when its own
     # sub-program only materialises (see `SubPrograms.run`).
-    inner, _ = plan.sub_program(eqn.primitive.get_bind_params(eqn.params))
+    inner, _ = plan.sub_program(jc.bind_params(eqn.primitive, eqn.params)[1])
     return inner is not None and only_materialises(inner, args, eager_trace)
 
 
@@ -198,9 +198,9 @@ def inline(trace, closed_jaxpr, tracers, judge: bool = False):
                 and plan_for(eqn.primitive, [trace.unwrap(a) for a in args]).only_materialises
             )
             unread.difference_update(v for v in eqn.invars if type(v) is not literal)
-        params = eqn.primitive.get_bind_params(eqn.params)
-        if eqn.ctx is not here or eqn.source_info.name_stack:
-            out = _bind_in_context(trace, eqn, args, params, here)
+        subfuns, params = jc.bind_params(eqn.primitive, eqn.params)
+        if subfuns or eqn.ctx is not here or eqn.source_info.name_stack:
+            out = _bind_in_context(trace, eqn, [*subfuns, *args], params, here)
         else:
             out = jc.bind_with_trace(eqn.primitive, trace, args, params)
         if eqn.primitive.multiple_results:

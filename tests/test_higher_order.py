@@ -41,7 +41,7 @@ def jaxpr_primitives(jaxpr, recursive=True):
     for eqn in jaxpr.eqns:
         names.append(eqn.primitive.name)
         if recursive:
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            for sub in quaxlike.internal.jaxprs_in_params(eqn.params):
                 names.extend(jaxpr_primitives(sub))
     return names
 

@@ -222,18 +222,23 @@ def shard_map_p_values(*args: AnyValue, fun, mesh, in_specs, outer_trace=None, *
 
 
 @register(jc.pvary_p)
-def pvary_p_value(x: Value, *, axes, **params):
+def pvary_p_value(*xs: AnyValue, axes, **params):
     """Inside a `shard_map` body, JAX marks an invariant operand as varying
     (`pvary`) before mixing it with varying ones. That changes no numbers, so a
-    Value is marked leaf by leaf and keeps its type."""
+    Value is marked leaf by leaf and keeps its type. (`pvary` takes several
+    operands, and returns a list, up to jax 0.9; one from 0.10.)"""
 
     def mark(leaf):
         if not eqx.is_array(leaf):
             return leaf
         missing = tuple(a for a in axes if a not in jc.varying_axes(jax.typeof(leaf)))
-        return jc.pvary_p.bind(leaf, axes=missing, **params) if missing else leaf
+        if not missing:
+            return leaf
+        out = jc.pvary_p.bind(leaf, axes=missing, **params)
+        return out[0] if jc.pvary_p.multiple_results else out
 
-    return jtu.tree_map(mark, x)
+    outs = [jtu.tree_map(mark, x) for x in xs]
+    return outs if jc.pvary_p.multiple_results else outs[0]
 
 
 @register(jc.sharding_constraint_p)

@@ -1,6 +1,11 @@
 """Helpers for authors of Value types. No stability promise: see README.md."""
 
-from .._jax_compat import AbstractValue as AbstractValue, ShapedArray as ShapedArray
+from .._jax_compat import (
+    AbstractValue as AbstractValue,
+    jaxprs_in_params as jaxprs_in_params,
+    jit_inlines_at_trace as jit_inlines_at_trace,
+    ShapedArray as ShapedArray,
+)
 from .._staging import cached_rule as cached_rule
 from .._values import materialise_value as materialise_value
 from ._helpers import output_aval as output_aval

@@ -102,7 +102,7 @@ def eqns_named(jaxpr, name):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == name:
             found.append(eqn)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in quaxlike.internal.jaxprs_in_params(eqn.params):
             found.extend(eqns_named(sub, name))
     return found
 

@@ -70,7 +70,7 @@ def dot_generals(jaxpr):
     """Every `dot_general` equation of `jaxpr` and its sub-programs."""
     found = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
     for eqn in jaxpr.eqns:
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in quaxlike.internal.jaxprs_in_params(eqn.params):
             found += dot_generals(sub)
     return found
 

@@ -109,7 +109,7 @@ def shapes_in_jaxpr(jaxpr) -> set[tuple[int, ...]]:
     shapes = set()
     for eqn in jaxpr.eqns:
         shapes.update(tuple(v.aval.shape) for v in eqn.outvars)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in quaxlike.internal.jaxprs_in_params(eqn.params):
             shapes |= shapes_in_jaxpr(sub)
     return shapes
 

@@ -1,14 +1,15 @@
 """Checking a traced program for dense copies of quantised weights."""
 
 import jax
-import jax.extend.core as jex
 import numpy as np
+
+import quaxlike
 
 
 def _jaxprs(jaxpr):
     yield jaxpr
     for eqn in jaxpr.eqns:
-        for sub in jex.jaxprs_in_params(eqn.params):
+        for sub in quaxlike.internal.jaxprs_in_params(eqn.params):
             yield from _jaxprs(sub)
 
 

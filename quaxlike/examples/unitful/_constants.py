@@ -153,13 +153,15 @@ def _tracking(fn: Callable) -> Callable:
 
 @quaxlike.register(jax.extend.core.primitives.jit_p)
 @_tracking
-def jit_p_unitful(*args: Unitful | ArrayLike, jaxpr, inline: bool = False, name="jit", **params):
+def jit_p_unitful(*args: Unitful | ArrayLike, jaxpr, inline=False, name="jit", **params):
     from ._functions import known_function
 
     function_rule = known_function(name, jaxpr, args)
     if function_rule is not None:
         return function_rule(*args)
-    if inline or any(_is_known(a) for a in args if not isinstance(a, Unitful)):
+    # `inline` is a bool up to jax 0.10 and a `jax.Inline` from 0.11.
+    inlined = quaxlike.internal.jit_inlines_at_trace(inline)
+    if inlined or any(_is_known(a) for a in args if not isinstance(a, Unitful)):
         # Run the body's equations here, in the enclosing program (as the
         # built-in rule does for an inline `jit`), so that what is known outside
         # stays known inside: `jnp.var(x)` hands its `ddof` to its body as a
