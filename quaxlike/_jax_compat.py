@@ -599,13 +599,14 @@ _ManualAxisType = _first((_core, "ManualAxisType"))
 
 
 def with_varying_axes(aval, axes: frozenset):
-    """`aval`, marked as varying over the manual mesh axes `axes`."""
+    """`aval`, marked as varying over the manual mesh axes `axes` (with the
+    current abstract mesh as its sharding's mesh, which JAX checks them against)."""
+    sharding = jax.sharding.NamedSharding(
+        jax.sharding.get_abstract_mesh(), jax.sharding.PartitionSpec(*[None] * aval.ndim)
+    )
     if _ManualAxisType is not None:
-        sharding = jax.sharding.NamedSharding(
-            jax.sharding.get_abstract_mesh(), jax.sharding.PartitionSpec(*[None] * aval.ndim)
-        )
         return aval.update(sharding=sharding, manual_axis_type=_ManualAxisType(varying=axes))
-    return aval.update(vma=axes)
+    return aval.update(sharding=sharding, vma=axes)
 
 
 def with_varying_axes_of(aval, leaves):

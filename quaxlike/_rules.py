@@ -2,7 +2,7 @@
 
 Lookup is done here rather than by calling the plum `Function`, for two reasons:
 plum caches nothing when a signature uses `ArrayLike` (an "unfaithful" type, see
-JAX-INTERNALS §5), and rules may return `NotImplemented` to hand over to the next
+quaxlike/internal/README.md, "JAX facts"), and rules may return `NotImplemented` to hand over to the next
 applicable rule, which plum has no notion of. So we ask plum's `Signature`s which
 methods match and which is more specific, and cache the result as a `Plan` per
 (primitive, argument kinds) until the next `register`.
@@ -233,7 +233,7 @@ def rules_for(primitive: jc.Primitive) -> list[plum.Method]:
 def dispatch_kind(x) -> Any:
     """Everything about `x` that matching a rule's signature depends on: its type,
     and for a tracer also the class of its aval (whether a tracer counts as a
-    `jax.Array` depends on it, JAX-INTERNALS §1)."""
+    `jax.Array` depends on it: quaxlike/internal/README.md, "JAX facts")."""
     if isinstance(x, jc.Tracer):
         return (type(x), type(x.aval))
     return type(x)

@@ -276,11 +276,17 @@ def test_grad_and_vmap_through_shard_map(mesh):
     expected = jax.grad(lambda a, b: loss(lora.w + a @ b, x), argnums=(0, 1))(lora.a, lora.b)
     assert tree_allclose((grads.a, grads.b), expected, rtol=1e-4, atol=1e-4)
 
+
+def test_vmap_of_a_shard_map_with_a_collective(mesh):
     def total(v):
         return jax.shard_map(
             lambda a: jax.lax.psum(a.sum(0), "x"), mesh=mesh, in_specs=P("x"), out_specs=P()
         )(v)
 
     xs = randn(5, (3, 16, 4))
+    try:
+        expected = jax.vmap(total)(xs)
+    except TypeError as error:  # jax 0.8: `psum_invariant`'s batching rule
+        pytest.xfail(f"plain JAX {jax.__version__} fails this too: {error}")
     out = jax.vmap(quaxlike.quaxify(total))(PassThrough(xs))
-    assert tree_allclose(materialise_tree(out), jax.vmap(total)(xs), rtol=1e-5, atol=1e-5)
+    assert tree_allclose(materialise_tree(out), expected, rtol=1e-5, atol=1e-5)
