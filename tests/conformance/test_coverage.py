@@ -25,6 +25,19 @@ from _table import CASES, RAN, REACHED, run_with_values, split_static
 import quaxlike
 
 
+# Which primitives a JAX release defines, and which each row's jaxpr shows, change
+# between releases (0.12 adds high-level primitives such as `call_hi_primitive`
+# and routes `closed_call` through `eval_jaxpr`). The table's claims and
+# exclusions are kept for the JAX series the main suite runs on; on other
+# releases its rows still run (test_conformance), but these two checks do not.
+_TABLE_SERIES = (0, 10)
+_ON_TABLE_SERIES = tuple(int(p) for p in jax.__version__.split(".")[:2]) == _TABLE_SERIES
+_table_series_only = pytest.mark.skipif(
+    not _ON_TABLE_SERIES,
+    reason=f"the coverage claims are kept for jax {'.'.join(map(str, _TABLE_SERIES))}.x",
+)
+
+
 # Reach the core's trace hooks (`process_call`, `process_custom_*_call`) rather
 # than any rule.
 _HOOKS = {"call", "closed_call", "custom_jvp_call", "custom_vjp_call"}
@@ -108,6 +121,7 @@ def reached():
     return primitives, problems
 
 
+@_table_series_only
 def test_rows_reach_their_primitives(reached):
     _, problems = reached
     assert not problems, "\n".join(problems)
@@ -133,6 +147,7 @@ def _exclusion_for(locations: list[str]):
     return None
 
 
+@_table_series_only
 def test_every_primitive_is_covered_or_excluded(reached, report_coverage):
     entries = _enumerate_primitives()
     # Where the primitives the rows reach live, to match them with the entries.

@@ -28,6 +28,8 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
+import quaxlike
+
 from ._rules import _array_of, _common_unit, _unit_of
 from ._value import UnitError, Unitful
 
@@ -137,16 +139,61 @@ def _argument_type(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
-def _is_program_of(function: Callable, jaxpr: Any, args: tuple) -> bool:
+def _reference_program(function: Callable, args: tuple) -> Any:
+    """The sub-program of the `jit` that `function` applied to arguments like
+    `args` is, or `None`."""
     try:
         traced = jax.make_jaxpr(function)(*map(_argument_type, args))
     except Exception:  # the function does not take these arguments
-        return False
+        return None
     eqns = traced.jaxpr.eqns
     if len(eqns) != 1 or eqns[0].primitive is not jax.extend.core.primitives.jit_p:
-        return False
-    reference = eqns[0].params["jaxpr"]
-    return reference is jaxpr or str(reference) == str(jaxpr)
+        return None
+    return eqns[0].params["jaxpr"]
+
+
+def _which_variant(variants, jaxpr: Any, args: tuple) -> int | None:
+    """The index of the variant whose program `jaxpr` is, or `None`. The same
+    program does not always print the same from one trace to the next (jax
+    0.12 outlines sub-programs, and lowers some operations only for traces such
+    as quaxify's), so a program is identified by the source function JAX
+    recorded for it, and variants of one function by the primitives they share
+    with it."""
+    candidates = []
+    for i, (function, _, arity) in enumerate(variants):
+        reference = None if len(args) != arity else _reference_program(function, args)
+        if reference is None:
+            continue
+        if reference is jaxpr or str(reference) == str(jaxpr):
+            return i
+        source = _source(reference)
+        if source is not None and source == _source(jaxpr):
+            candidates.append((i, _primitives(reference)))
+    if len(candidates) <= 1:
+        return candidates[0][0] if candidates else None
+    actual = _primitives(jaxpr)
+    scores = [(len(p & actual) - len(p - actual), i) for i, p in candidates]
+    best = max(scores)
+    return best[1] if [s for s, _ in scores].count(best[0]) == 1 else None
+
+
+def _source(jaxpr: Any) -> str | None:
+    """Where the function traced to `jaxpr` is defined, as JAX records it."""
+    debug_info = getattr(getattr(jaxpr, "jaxpr", jaxpr), "debug_info", None)
+    return getattr(debug_info, "func_src_info", None)
+
+
+def _primitives(jaxpr: Any) -> frozenset:
+    """The names of the primitives `jaxpr` binds, in it and its sub-programs."""
+    names, pending = set(), [getattr(jaxpr, "jaxpr", jaxpr)]
+    while pending:
+        current = pending.pop()
+        for eqn in current.eqns:
+            names.add(eqn.primitive.name)
+            pending.extend(
+                getattr(j, "jaxpr", j) for j in quaxlike.internal.jaxprs_in_params(eqn.params)
+            )
+    return frozenset(names)
 
 
 def known_function(name: str, jaxpr: Any, args: tuple) -> Callable | None:
@@ -156,13 +203,6 @@ def known_function(name: str, jaxpr: Any, args: tuple) -> Callable | None:
         return None
     verdicts = _verdicts.setdefault(jaxpr, {})
     if name not in verdicts:
-        verdicts[name] = next(
-            (
-                i
-                for i, (function, _, arity) in enumerate(variants)
-                if len(args) == arity and _is_program_of(function, jaxpr, args)
-            ),
-            None,
-        )
+        verdicts[name] = _which_variant(variants, jaxpr, args)
     index = verdicts[name]
     return None if index is None else variants[index][1]
