@@ -431,46 +431,5 @@ def reshape_p_lorakernel(kernel: LoraConvKernel, *, new_sizes, **params):
     raise ValueError(_RESHAPE_MSG.format(shape=kernel.shape, new_shape=tuple(new_sizes)))
 
 
-def _scale_by(kernel: LoraConvKernel, scale, op) -> LoraConvKernel:
-    # (W + A · B) s = W s + (A s) · B; as for LoraArray, a frozen `W s` hides the
-    # `W` term of the gradient with respect to a traced `s` (see README.md).
-    scaled = lambda v: op(v, scale)  # noqa: E731
-    return _apply(kernel, scaled, scaled, _same)
-
-
-@quaxlike.register(lax.mul_p)
-def mul_p_lorakernel_scalar(kernel: LoraConvKernel, y: ArrayLike, **params):
-    if jnp.ndim(y) != 0:
-        return NotImplemented
-    return _scale_by(kernel, y, lax.mul)
-
-
-@quaxlike.register(lax.div_p)
-def div_p_lorakernel_scalar(kernel: LoraConvKernel, y: ArrayLike, **params):
-    if jnp.ndim(y) != 0:
-        return NotImplemented
-    return _scale_by(kernel, y, lax.div)
-
-
-@quaxlike.register(lax.neg_p)
-def neg_p_lorakernel(kernel: LoraConvKernel, **params):
-    return _apply(kernel, lax.neg, lax.neg, _same)
-
-
-@quaxlike.register(lax.convert_element_type_p)
-def convert_element_type_p_lorakernel(kernel: LoraConvKernel, *, new_dtype, **params):
-    if not jnp.issubdtype(new_dtype, jnp.inexact):
-        return NotImplemented  # rounding W + A · B is not rounding W, A and B
-    convert = lambda v: lax.convert_element_type(v, new_dtype)  # noqa: E731
-    return _apply(kernel, convert, convert, convert)
-
-
-@quaxlike.register(lax.copy_p)
-def copy_p_lorakernel(kernel: LoraConvKernel, **params):
-    return kernel
-
-
-@quaxlike.register("stop_gradient")
-def stop_gradient_p_lorakernel(kernel: LoraConvKernel, **params):
-    stop = lax.stop_gradient
-    return _apply(kernel, stop, stop, stop)
+# Scaling, negation, dtype conversion, copies and stop_gradient act on the
+# factors alike for both LoRA types: their rules are in _rules.py.

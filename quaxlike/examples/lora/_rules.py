@@ -22,7 +22,12 @@ from quaxlike.internal import (
     dot_general_labels,
 )
 
+from ._conv import LoraConvKernel
 from ._value import LoraArray
+
+
+# The rules that act on the three arrays alike serve both LoRA types.
+_LowRank = LoraArray | LoraConvKernel
 
 
 # --- matrix products ---------------------------------------------------------
@@ -115,8 +120,8 @@ def _per_array(x: LoraArray, per_axis, rank_item):
     return tuple(per_axis), (*batch, m, rank_item), (*batch, rank_item, n)
 
 
-def _apply(x: LoraArray, fw, fa, fb) -> LoraArray:
-    """A LoraArray whose arrays are `fw(w)`, `fa(a)` and `fb(b)`, each run under
+def _apply(x: _LowRank, fw, fa, fb) -> _LowRank:
+    """A LoraArray (or LoraConvKernel) whose arrays are `fw(w)`, `fa(a)` and `fb(b)`, each run under
     `quaxify` in case the array is itself a Value."""
     w, a, b = (quaxlike.quaxify(f)(v) for f, v in ((fw, x.w), (fa, x.a), (fb, x.b)))
     return x.with_factors(w, a, b)
@@ -246,7 +251,7 @@ def gather_p_lora(x: LoraArray, indices: ArrayLike, *, dimension_numbers, slice_
 # --- elementwise: scaling, negation, dtype -----------------------------------
 
 
-def _scale_by(x: LoraArray, scale, op) -> LoraArray:
+def _scale_by(x: _LowRank, scale, op) -> _LowRank:
     # (W + A B) s = (W s) + (A s) B. Known limitation: for a frozen W, `W s` is then
     # behind the stop_gradient too, so a gradient with respect to a traced `s` misses
     # the `W` term (see README.md). Keeping `s` apart from `W` would fix that, at the
@@ -257,26 +262,26 @@ def _scale_by(x: LoraArray, scale, op) -> LoraArray:
 
 
 @quaxlike.register(lax.mul_p)
-def mul_p_lora_scalar(x: LoraArray, y: ArrayLike, **params):
+def mul_p_lora_scalar(x: _LowRank, y: ArrayLike, **params):
     if jnp.ndim(y) != 0:
         return NotImplemented
     return _scale_by(x, y, lax.mul)
 
 
 @quaxlike.register(lax.div_p)
-def div_p_lora_scalar(x: LoraArray, y: ArrayLike, **params):
+def div_p_lora_scalar(x: _LowRank, y: ArrayLike, **params):
     if jnp.ndim(y) != 0:
         return NotImplemented
     return _scale_by(x, y, lax.div)
 
 
 @quaxlike.register(lax.neg_p)
-def neg_p_lora(x: LoraArray, **params):
+def neg_p_lora(x: _LowRank, **params):
     return _apply(x, lax.neg, lax.neg, lambda v: v)
 
 
 @quaxlike.register(lax.convert_element_type_p)
-def convert_element_type_p_lora(x: LoraArray, *, new_dtype, **params):
+def convert_element_type_p_lora(x: _LowRank, *, new_dtype, **params):
     if not jnp.issubdtype(new_dtype, jnp.inexact):
         return NotImplemented  # rounding W + A B is not rounding W, A and B
     convert = lambda v: lax.convert_element_type(v, new_dtype)  # noqa: E731
@@ -284,11 +289,11 @@ def convert_element_type_p_lora(x: LoraArray, *, new_dtype, **params):
 
 
 @quaxlike.register(lax.copy_p)
-def copy_p_lora(x: LoraArray, **params):
+def copy_p_lora(x: _LowRank, **params):
     return x
 
 
 @quaxlike.register("stop_gradient")
-def stop_gradient_p_lora(x: LoraArray, **params):
+def stop_gradient_p_lora(x: _LowRank, **params):
     stop = lax.stop_gradient
     return _apply(x, stop, stop, stop)
