@@ -5,6 +5,8 @@ import importlib.metadata
 from . import _higher_order  # noqa: F401  (registers the higher-order rules)
 from ._diagnostics import (
     AmbiguousRuleError as AmbiguousRuleError,
+    ConflictingDefaultsError as ConflictingDefaultsError,
+    JaxCompatibilityError as JaxCompatibilityError,
     MaterialisationError as MaterialisationError,
     QuaxlikeError as QuaxlikeError,
 )

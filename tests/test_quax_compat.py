@@ -116,3 +116,53 @@ def test_examples_are_attributes_of_a_bare_import():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+class _Opaque(quaxlike.ArrayValue):
+    """As Quax's test type `MyArray`: a dense wrapper that refuses to materialise
+    and runs every primitive on its array, keeping the type."""
+
+    array: jax.Array
+
+    def aval(self):
+        return jax.typeof(self.array)
+
+    def materialise(self):
+        raise NotImplementedError("opaque")
+
+    @classmethod
+    def default(cls, primitive, values, params):
+        arrays = [v.array if isinstance(v, quaxlike.Value) else v for v in values]
+        out = primitive.bind(*arrays, **params)
+        return [cls(o) for o in out] if primitive.multiple_results else cls(out)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_while_predicate_that_refuses_to_materialise_gives_its_one_leaf(jit):
+    # jnp.gcd loops while any remainder is non-zero: the predicate is an _Opaque.
+    a, b = jnp.array([12, 18, 7]), jnp.array([8, 27, 0])
+    fn = quaxlike.quaxify(jnp.gcd)
+    out = (jax.jit(fn) if jit else fn)(_Opaque(a), _Opaque(b))
+    assert isinstance(out, _Opaque)
+    np.testing.assert_array_equal(out.array, jnp.gcd(a, b))
+
+
+class _OpaquePair(_Opaque):
+    """Two array leaves: neither is known to be the predicate."""
+
+    mask: jax.Array
+
+    @classmethod
+    def default(cls, primitive, values, params):
+        arrays = [v.array if isinstance(v, quaxlike.Value) else v for v in values]
+        out = primitive.bind(*arrays, **params)
+        return [cls(o, o) for o in out] if primitive.multiple_results else cls(out, out)
+
+
+def test_a_while_predicate_of_several_leaves_that_refuses_to_materialise_is_named():
+    x = _OpaquePair(jnp.array(0), jnp.array(0))
+    loop = quaxlike.quaxify(lambda x: jax.lax.while_loop(lambda c: c < 3, lambda c: c + 1, x))
+    with pytest.raises(
+        quaxlike.MaterialisationError, match="while.*_OpaquePair|_OpaquePair.*while"
+    ):
+        loop(x)

@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 from jax import lax
 
 from .. import _jax_compat as jc
-from .._diagnostics import messages, QuaxlikeError
+from .._diagnostics import MaterialisationError, messages, QuaxlikeError
 from .._quaxify import lifted_call
 from .._rules import register
 from .._values import checked_aval, describe, Value
@@ -71,6 +71,27 @@ def _keep_where_false(predicate, new, old):
     return lifted_call(select, predicate, new, old)
 
 
+def _dense_predicate(predicate, aval):
+    """A loop predicate as a boolean array: materialised if it is a Value.
+
+    A Value that refuses to materialise but wraps exactly one array leaf of the
+    predicate's shape and dtype (a dense wrapper such as Quax's test type, or a
+    unitless quantity) gives that leaf, as Quax's `while` rule always does; any
+    other refusal is raised, naming `while`.
+    """
+    if not isinstance(predicate, Value):
+        return predicate
+    try:
+        return to_dense(predicate, jc.while_p)
+    except MaterialisationError:
+        leaves = [leaf for leaf in jtu.tree_leaves(predicate) if eqx.is_array(leaf)]
+        if len(leaves) == 1:
+            leaf_aval = jax.typeof(leaves[0])
+            if (leaf_aval.shape, leaf_aval.dtype) == (aval.shape, aval.dtype):
+                return leaves[0]
+        raise
+
+
 @register(jc.while_p)
 def while_p_values(
     *args: AnyValue, cond_nconsts: int, cond_jaxpr, body_nconsts: int, body_jaxpr, **params
@@ -87,7 +108,7 @@ def while_p_values(
 
     def predicate_of(c):
         (predicate,) = cond_fun(*cond_consts, *c)
-        return to_dense(predicate, jc.while_p)
+        return _dense_predicate(predicate, cond_jaxpr.out_avals[0])
 
     def run(dense, record):
         carry = _densify(init, dense, jc.while_p)

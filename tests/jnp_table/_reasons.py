@@ -33,6 +33,22 @@ _TOP_LEVEL_CONSTANT = (
 )
 
 _UNITFUL = {
+    "jnp.minmax": (
+        "new in jax 0.12: it finds both extremes with one variadic `reduce` whose "
+        "combining function is an arbitrary program, which a unit rule cannot read "
+        "(there are rules for `reduce_min` and `reduce_max`: use `jnp.min` and "
+        "`jnp.max`)."
+    ),
+    # Reached only from jax 0.11, where the table is checked but not committed.
+    **dict.fromkeys(
+        ["jnp.searchsorted", "jnp.digitize"],
+        (
+            "from jax 0.11 `jnp.searchsorted` binds a high-level primitive that JAX "
+            "lowers where it is traced, so the unitful rule for it never sees the "
+            "call and the lowered loop's `select_n` refuses the quantity (with a "
+            "`UnitError` naming it). Up to jax 0.10 it works."
+        ),
+    ),
     "jnp.polyval": (
         "its loop starts the running value as a plain zero array, which becomes a "
         "quantity in the first step: a loop carry must keep its type, and a plain "
@@ -43,7 +59,7 @@ _UNITFUL = {
         [
             f"primitive:{p}"
             for p in [
-                "exp", "exp2", "log", "log1p", "expm1", "sin", "cos", "tan", "asin",
+                "exp", "exp2", "log", "log2", "log1p", "expm1", "sin", "cos", "tan", "asin",
                 "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh",
                 "logistic",
             ]

@@ -9,6 +9,7 @@ whose factors are `Zero`).
 """
 
 import math
+from typing import cast, TypeVar
 
 import jax.numpy as jnp
 from jax import lax
@@ -28,6 +29,7 @@ from ._value import LoraArray
 
 # The rules that act on the three arrays alike serve both LoRA types.
 _LowRank = LoraArray | LoraConvKernel
+_L = TypeVar("_L", bound=_LowRank)
 
 
 # --- matrix products ---------------------------------------------------------
@@ -120,11 +122,11 @@ def _per_array(x: LoraArray, per_axis, rank_item):
     return tuple(per_axis), (*batch, m, rank_item), (*batch, rank_item, n)
 
 
-def _apply(x: _LowRank, fw, fa, fb) -> _LowRank:
+def _apply(x: _L, fw, fa, fb) -> _L:
     """A LoraArray (or LoraConvKernel) whose arrays are `fw(w)`, `fa(a)` and `fb(b)`, each run under
     `quaxify` in case the array is itself a Value."""
     w, a, b = (quaxlike.quaxify(f)(v) for f, v in ((fw, x.w), (fa, x.a), (fb, x.b)))
-    return x.with_factors(w, a, b)
+    return cast(_L, x.with_factors(w, a, b))  # `with_factors` keeps the type
 
 
 def _apply_each(x: LoraArray, make, items) -> LoraArray:
