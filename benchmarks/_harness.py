@@ -307,6 +307,55 @@ def hand_lora_stack(params: list[tuple[Any, Any, Any, Any]], x):
     return x
 
 
+# --- training steps ------------------------------------------------------------
+
+
+def mse(out, ys):
+    return jnp.mean((out - ys) ** 2)
+
+
+def training_step(optimiser, loss: Callable[..., Any]) -> Callable[..., Any]:
+    """`step(trainable, opt_state, *rest) -> (trainable, opt_state, loss value)`:
+    one optimiser step on `loss(trainable, *rest)`."""
+
+    def step(trainable, opt_state, *rest):
+        value, grads = jax.value_and_grad(loss)(trainable, *rest)
+        updates, opt_state = optimiser.update(grads, opt_state, trainable)
+        return eqx.apply_updates(trainable, updates), opt_state, value
+
+    return step
+
+
+def quaxlike_loss(trainable, frozen, xs, ys):
+    """The mean squared error of `quaxify(model)` over a batch, where `model` is
+    `trainable` and `frozen` combined (as `partition` split it)."""
+    import quaxlike
+
+    model = eqx.combine(trainable, frozen)
+    return mse(jax.vmap(quaxlike.quaxify(model))(xs), ys)
+
+
+def dense_loss(model, xs, ys):
+    """The mean squared error of a plain model over a batch (full fine-tuning)."""
+    return mse(jax.vmap(model)(xs), ys)
+
+
+def peak_bytes(compiled) -> int:
+    """A compiled program's peak memory: arguments + outputs + temporaries, less
+    what is aliased (from `memory_analysis()`)."""
+    stats = compiled.memory_analysis()
+    return (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        + stats.temp_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
+
+
+def n_params(tree) -> int:
+    return sum(x.size for x in jax.tree_util.tree_leaves(tree) if eqx.is_array(x))
+
+
 # --- programs ----------------------------------------------------------------
 
 

@@ -22,22 +22,15 @@ Run: `python benchmarks/memory.py [--quick]`.
 """
 
 import _harness as h
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import optax
 
-import quaxlike
 from quaxlike.examples.lora import loraify, partition
 
 
 RANK = 8
-
-
-def mse(out, ys):
-    return jnp.mean((out - ys) ** 2)
 
 
 def make_steps(depth, width):
@@ -48,50 +41,30 @@ def make_steps(depth, width):
     # quaxlike LoRA
     trainable, frozen = partition(lora)
 
-    def lora_step(trainable, opt_state, frozen, xs, ys):
-        def loss(trainable):
-            model = eqx.combine(trainable, frozen)
-            return mse(jax.vmap(quaxlike.quaxify(model))(xs), ys)
-
-        value, grads = jax.value_and_grad(loss)(trainable)
-        updates, opt_state = optimiser.update(grads, opt_state, trainable)
-        return eqx.apply_updates(trainable, updates), opt_state, value
-
     # the same, by hand
     layers = h.lora_layers(lora)
     hand_trainable = [(a, b) for _, a, b, _ in layers]
     hand_frozen = [(w, bias) for w, _, _, bias in layers]
 
-    def hand_step(trainable, opt_state, frozen, xs, ys):
-        def loss(trainable):
-            params = [(w, a, b, bias) for (a, b), (w, bias) in zip(trainable, frozen)]
-            return mse(jax.vmap(lambda x: h.hand_lora_stack(params, x))(xs), ys)
-
-        value, grads = jax.value_and_grad(loss)(trainable)
-        updates, opt_state = optimiser.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, value
-
-    # full fine-tuning of the dense model
-    def full_step(params, opt_state, xs, ys):
-        def loss(params):
-            return mse(jax.vmap(params)(xs), ys)
-
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = optimiser.update(grads, opt_state, params)
-        return eqx.apply_updates(params, updates), opt_state, value
+    def hand_loss(trainable, frozen, xs, ys):
+        params = [(w, a, b, bias) for (a, b), (w, bias) in zip(trainable, frozen)]
+        return h.mse(jax.vmap(lambda x: h.hand_lora_stack(params, x))(xs), ys)
 
     return {
-        "quaxlike LoRA": (lora_step, (trainable, optimiser.init(trainable), frozen)),
+        "quaxlike LoRA": (
+            h.training_step(optimiser, h.quaxlike_loss),
+            (trainable, optimiser.init(trainable), frozen),
+        ),
         "hand-written LoRA": (
-            hand_step,
+            h.training_step(optimiser, hand_loss),
             (hand_trainable, optimiser.init(hand_trainable), hand_frozen),
         ),
-        "full fine-tune (dense)": (full_step, (dense, optimiser.init(dense))),
+        # full fine-tuning of the dense model
+        "full fine-tune (dense)": (
+            h.training_step(optimiser, h.dense_loss),
+            (dense, optimiser.init(dense)),
+        ),
     }
-
-
-def n_params(tree):
-    return sum(x.size for x in jax.tree_util.tree_leaves(tree) if eqx.is_array(x))
 
 
 def main(argv=None):
@@ -105,7 +78,7 @@ def main(argv=None):
     for name, (step, state) in steps.items():
         compiled = jax.jit(step).lower(*state, xs, ys).compile()
         out = compiled(*state, xs, ys)
-        results[name] = (compiled.memory_analysis(), n_params(state[0]), out)
+        results[name] = (compiled.memory_analysis(), h.n_params(state[0]), out)
 
     same = bool(
         np.allclose(results["quaxlike LoRA"][2][2], results["hand-written LoRA"][2][2], rtol=1e-5)

@@ -27,14 +27,11 @@ import functools as ft
 
 import _harness as h
 import _plain_quantized as plain
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import optax
 
-import quaxlike
 from quaxlike.examples.lora import LoraArray, loraify, partition, qlora
 from quaxlike.examples.quantized._matmul import block_rows
 
@@ -43,20 +40,6 @@ RANK = 8
 PEAK_TARGET = 0.35  # QLoRA int4 against LoRA on the dense model
 TIME_TARGET = 1.10  # QLoRA int4 against the hand-written blocked int4 + LoRA step
 BASELINE = "hand-written int4 + LoRA, blocked"
-
-
-def peak_bytes(compiled) -> int:
-    stats = compiled.memory_analysis()
-    return (
-        stats.argument_size_in_bytes
-        + stats.output_size_in_bytes
-        + stats.temp_size_in_bytes
-        - stats.alias_size_in_bytes
-    )
-
-
-def mse(out, ys):
-    return jnp.mean((out - ys) ** 2)
 
 
 def lora_factors(model):
@@ -83,19 +66,13 @@ def make_steps(depth, width):
         "quaxlike LoRA (dense model)": h.random_b(loraify(dense, rank=RANK, key=key, scale=0.1)),
     }
 
-    def quax_step(trainable, opt_state, frozen, xs, ys):
-        def loss(trainable):
-            model = eqx.combine(trainable, frozen)
-            return mse(jax.vmap(quaxlike.quaxify(model))(xs), ys)
-
-        value, grads = jax.value_and_grad(loss)(trainable)
-        updates, opt_state = optimiser.update(grads, opt_state, trainable)
-        return eqx.apply_updates(trainable, updates), opt_state, value
-
     steps = {}
     for name, model in models.items():
         trainable, frozen = partition(model)
-        steps[name] = (quax_step, (trainable, optimiser.init(trainable), frozen))
+        steps[name] = (
+            h.training_step(optimiser, h.quaxlike_loss),
+            (trainable, optimiser.init(trainable), frozen),
+        )
 
     # The int4 QLoRA step by hand, on the same leaves.
     q4 = models["quaxlike QLoRA int4"]
@@ -104,39 +81,28 @@ def make_steps(depth, width):
     hand_trainable = [(x.a, x.b) for x in loras]
     hand_frozen = [(plain.leaves_of(x.w), layer.bias) for x, layer in zip(loras, q4.layers)]
 
-    def hand_step(product, trainable, opt_state, frozen, xs, ys):
-        def loss(trainable):
-            params = [(w, a, b, bias) for (a, b), (w, bias) in zip(trainable, frozen)]
-            return mse(jax.vmap(lambda x: hand_forward(product, params, x))(xs), ys)
+    def hand_loss(product, trainable, frozen, xs, ys):
+        params = [(w, a, b, bias) for (a, b), (w, bias) in zip(trainable, frozen)]
+        return h.mse(jax.vmap(lambda x: hand_forward(product, params, x))(xs), ys)
 
-        value, grads = jax.value_and_grad(loss)(trainable)
-        updates, opt_state = optimiser.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, value
+    def hand_step(product):
+        return h.training_step(optimiser, ft.partial(hand_loss, product))
 
     hand_state = (hand_trainable, optimiser.init(hand_trainable), hand_frozen)
     steps[BASELINE] = (
-        ft.partial(hand_step, ft.partial(plain.blocked, "int4", rows=rows)),
+        hand_step(ft.partial(plain.blocked, "int4", rows=rows)),
         hand_state,
     )
     steps["hand-written int4 + LoRA, naive"] = (
-        ft.partial(hand_step, ft.partial(plain.naive, "int4")),
+        hand_step(ft.partial(plain.naive, "int4")),
         hand_state,
     )
 
-    def full_step(params, opt_state, xs, ys):
-        def loss(params):
-            return mse(jax.vmap(params)(xs), ys)
-
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = optimiser.update(grads, opt_state, params)
-        return eqx.apply_updates(params, updates), opt_state, value
-
-    steps["full fine-tune (dense)"] = (full_step, (dense, optimiser.init(dense)))
+    steps["full fine-tune (dense)"] = (
+        h.training_step(optimiser, h.dense_loss),
+        (dense, optimiser.init(dense)),
+    )
     return steps
-
-
-def n_params(tree):
-    return sum(x.size for x in jax.tree_util.tree_leaves(tree) if eqx.is_array(x))
 
 
 def main(argv=None):
@@ -153,7 +119,7 @@ def main(argv=None):
     results = {}
     for name, (step, state) in steps.items():
         compiled = jax.jit(step).lower(*state, xs, ys).compile()
-        results[name] = (compiled, state, peak_bytes(compiled), compiled(*state, xs, ys))
+        results[name] = (compiled, state, h.peak_bytes(compiled), compiled(*state, xs, ys))
 
     # Adam's first update is about `lr * sign(grad)`, so factors whose gradient is
     # near zero may differ by up to a step: compared to within 5% of one (5e-5).
@@ -211,7 +177,7 @@ def main(argv=None):
             )
         table.add(
             name,
-            f"{n_params(state[0]):,}",
+            f"{h.n_params(state[0]):,}",
             h.fmt_bytes(peak),
             f"{peak / lora_peak:.3f}",
             f"{peak / full_peak:.3f}",

@@ -48,16 +48,6 @@ TARGETS = {  # (peak, time) against dense, for the forward pass
 }
 
 
-def peak_bytes(compiled) -> int:
-    stats = compiled.memory_analysis()
-    return (
-        stats.argument_size_in_bytes
-        + stats.output_size_in_bytes
-        + stats.temp_size_in_bytes
-        - stats.alias_size_in_bytes
-    )
-
-
 def quantized(kind, w, **options):
     if kind == "int8":
         return quantize_int8(w, **options)
@@ -164,7 +154,7 @@ def make_cases(depth, width, batch):
 
 def compiled_case(fn, args):
     compiled = jax.jit(fn).lower(*args).compile()
-    return compiled, peak_bytes(compiled)
+    return compiled, h.peak_bytes(compiled)
 
 
 def timed(compiled_dense, dense_args, compiled, args, repeats, calls):
