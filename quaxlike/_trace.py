@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from . import _instrument, _jax_compat as jc, _sub_programs
 from ._diagnostics import messages, QuaxlikeError, rule_location, rule_name
-from ._rules import default_description, Plan, plan_for
+from ._rules import default_description, dispatch_kind, Plan, plan_for
 from ._values import checked_aval, is_value, Value
 
 
@@ -178,9 +178,10 @@ class QuaxTrace(jc.Trace):
             # `process_primitive` directly: `Primitive.bind` made its checks on
             # the way here, with these same arguments and params.)
             return self.parent_trace.process_primitive(primitive, tracers, params)
-        plan = plan_for(primitive, values)
+        kinds = tuple(map(dispatch_kind, values))
+        plan = plan_for(primitive, values, kinds)
         if plan.sub_program is not None and not self.observing:
-            out = self.sub_programs.run(primitive, plan, tracers, values, params)
+            out = self.sub_programs.run(primitive, plan, tracers, values, kinds, params)
             if out is not NotImplemented:
                 if self.checking:
                     self._check(primitive, tracers, params, out, plan.rule)
