@@ -97,6 +97,27 @@ class ConflictingDefaultsError(QuaxlikeError, TypeError):
     The message names each type (with its module, or an id where two types share
     a name) and the ways out: register a rule for that combination, or nest
     `quaxify` calls so that each trace sees one of the types.
+
+    !!! example
+
+        ```python
+        def bind_on_arrays(primitive, values, params):
+            arrays = [v.array if isinstance(v, quaxlike.Value) else v for v in values]
+            return primitive.bind(*arrays, **params)
+
+        class Left(quaxlike.DenseArrayValue):
+            default = staticmethod(bind_on_arrays)
+
+        class Right(quaxlike.DenseArrayValue):
+            default = staticmethod(lambda *args: bind_on_arrays(*args))
+
+        try:
+            quaxlike.quaxify(jnp.add)(Left(jnp.ones(2)), Right(jnp.ones(2)))
+        except TypeError as error:  # a quaxlike.ConflictingDefaultsError
+            print(error)  # names Left and Right, and the ways out
+        else:
+            raise AssertionError("two different defaults should conflict")
+        ```
     """
 
 
@@ -106,6 +127,15 @@ class JaxCompatibilityError(QuaxlikeError, RuntimeError):
     Raised only when the missing piece is actually used (never at
     `import quaxlike`), naming the JAX version, the range of JAX releases
     quaxlike is tested with, and what is missing.
+
+    !!! example
+
+        ```python
+        try:
+            out = quaxlike.quaxify(jnp.sin)(quaxlike.DenseArrayValue(jnp.ones(2)))
+        except quaxlike.JaxCompatibilityError as error:
+            print(error)  # on an untested JAX: its version, the tested range, what is missing
+        ```
     """
 
 

@@ -147,6 +147,20 @@ def test_a_while_predicate_that_refuses_to_materialise_gives_its_one_leaf(jit):
     np.testing.assert_array_equal(out.array, jnp.gcd(a, b))
 
 
+class _Guarded(_Opaque):
+    """One array leaf, but a deliberate refusal: the predicate must not be read."""
+
+    def materialise(self):
+        raise ValueError("guarded: never dense")
+
+
+def test_a_while_predicate_that_refuses_on_purpose_is_not_read():
+    loop = quaxlike.quaxify(lambda x: jax.lax.while_loop(lambda c: c < 3, lambda c: c + 1, x))
+    with pytest.raises(quaxlike.MaterialisationError, match="while") as info:
+        loop(_Guarded(jnp.array(0)))
+    assert isinstance(info.value.__cause__, ValueError)
+
+
 class _OpaquePair(_Opaque):
     """Two array leaves: neither is known to be the predicate."""
 

@@ -74,16 +74,19 @@ def _keep_where_false(predicate, new, old):
 def _dense_predicate(predicate, aval):
     """A loop predicate as a boolean array: materialised if it is a Value.
 
-    A Value that refuses to materialise but wraps exactly one array leaf of the
-    predicate's shape and dtype (a dense wrapper such as Quax's test type, or a
-    unitless quantity) gives that leaf, as Quax's `while` rule always does; any
-    other refusal is raised, naming `while`.
+    A Value whose `materialise()` is not implemented (raises
+    `NotImplementedError`, as Quax's test type `MyArray` does) but that wraps
+    exactly one array of the predicate's shape and dtype gives that array, as
+    Quax's `while` rule always does. Any other refusal is deliberate (a secret
+    that must not decide a loop, say) and is raised, naming `while`.
     """
     if not isinstance(predicate, Value):
         return predicate
     try:
         return to_dense(predicate, jc.while_p)
-    except MaterialisationError:
+    except MaterialisationError as error:
+        if not isinstance(error.__cause__, NotImplementedError):
+            raise
         leaves = [leaf for leaf in jtu.tree_leaves(predicate) if eqx.is_array(leaf)]
         if len(leaves) == 1:
             leaf_aval = jax.typeof(leaves[0])
