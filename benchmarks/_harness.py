@@ -30,6 +30,9 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 
+# A compiled program's peak memory, defined once in the package (for the demo).
+from quaxlike.demo import peak_bytes as peak_bytes
+
 
 # --- command line ------------------------------------------------------------
 
@@ -338,18 +341,6 @@ def quaxlike_loss(trainable, frozen, xs, ys):
 def dense_loss(model, xs, ys):
     """The mean squared error of a plain model over a batch (full fine-tuning)."""
     return mse(jax.vmap(model)(xs), ys)
-
-
-def peak_bytes(compiled) -> int:
-    """A compiled program's peak memory: arguments + outputs + temporaries, less
-    what is aliased (from `memory_analysis()`)."""
-    stats = compiled.memory_analysis()
-    return (
-        stats.argument_size_in_bytes
-        + stats.output_size_in_bytes
-        + stats.temp_size_in_bytes
-        - stats.alias_size_in_bytes
-    )
 
 
 def n_params(tree) -> int:
