@@ -1,9 +1,18 @@
-"""Quantised weights: `Int8Array` (one scale per output channel) and `Int4Array`
-(one scale per group of inputs, two codes per byte), with matrix-product and
+"""Quantised weights: `Int8Array` (one scale per output channel), `Int4Array` (one
+scale per group of inputs, two codes per byte) and `NF4Array` (4-bit NormalFloat
+codes, optionally with double-quantised scales), with matrix-product and
 indexing rules that never build the dense weight."""
 
 from . import _indexing, _matmul, _rules  # noqa: F401  (register the quantised arrays' rules)
+from ._base import QuantizedArray as QuantizedArray
 from ._inspect import largest_dequantized as largest_dequantized
+from ._matmul import default_matmul as default_matmul, with_matmul as with_matmul
+from ._nf4 import (
+    NF4_LEVELS as NF4_LEVELS,
+    NF4Array as NF4Array,
+    normal_float_levels as normal_float_levels,
+    quantize_nf4 as quantize_nf4,
+)
 from ._value import (
     dequantize as dequantize,
     Int4Array as Int4Array,
@@ -11,5 +20,4 @@ from ._value import (
     quantize as quantize,
     quantize_int4 as quantize_int4,
     quantize_int8 as quantize_int8,
-    QuantizedArray as QuantizedArray,
 )

@@ -19,7 +19,7 @@ from jaxtyping import ArrayLike
 
 import quaxlike
 
-from ._value import dequantize_rows, QuantizedArray
+from ._base import QuantizedArray
 
 
 def _stored(x: QuantizedArray, per_axis: list) -> list:
@@ -31,13 +31,13 @@ def _stored(x: QuantizedArray, per_axis: list) -> list:
 
 
 def _result(x: QuantizedArray, op, whole_rows: bool):
-    """`op(leaf, k)` applied to both row leaves of `x` (`k`: the leaf's last
+    """`op(leaf, k)` applied to every row leaf of `x` (`k`: the leaf's last
     extent): a quantised array if whole matrices were taken, else the dense rows
     taken (in the array's layout)."""
-    data, groups = (op(leaf, leaf.shape[-1]) for leaf in x.row_leaves())
+    leaves = [op(leaf, leaf.shape[-1]) for leaf in x.row_leaves()]
     if whole_rows:
-        return x.with_row_leaves(data, groups)
-    dense = dequantize_rows(x.unpack(data), groups)
+        return x.with_row_leaves(*leaves)
+    dense = x.dequantize_leaves(*leaves)
     return jnp.swapaxes(dense, -1, -2) if x.transposed else dense
 
 

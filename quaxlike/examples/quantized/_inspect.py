@@ -1,6 +1,6 @@
 """Checking a traced program for dense copies of quantised weights."""
 
-import jax
+import jax.numpy as jnp
 import numpy as np
 
 import quaxlike
@@ -14,12 +14,15 @@ def _jaxprs(jaxpr):
 
 
 def largest_dequantized(jaxpr) -> int:
-    """The most elements that any conversion of integers to floating point makes
-    in a traced program, sub-programs (loop bodies, `jit`s, `checkpoint`s)
+    """The most elements that any conversion of integers to floating point, or any
+    lookup of integer codes in a one-dimensional table of floating-point levels,
+    makes in a traced program, sub-programs (loop bodies, `jit`s, `checkpoint`s)
     included.
 
-    Every dequantisation starts by converting integer codes to floating point, so
-    this bounds how much of any quantised weight exists in dense form at once.
+    Every dequantisation starts by converting integer codes to floating point
+    (`Int8Array`, `Int4Array`) or by looking them up in a table of levels
+    (`NF4Array`), so this bounds how much of any quantised weight exists in dense
+    form at once.
     Compare it with the number of elements of the weights: smaller means that no
     dense copy of a weight was made (quaxlike's products dequantise at most half
     a weight at a time).
@@ -45,11 +48,17 @@ def largest_dequantized(jaxpr) -> int:
     largest = 0
     for sub in _jaxprs(getattr(jaxpr, "jaxpr", jaxpr)):
         for eqn in sub.eqns:
-            if eqn.primitive.name != "convert_element_type":
+            if eqn.primitive.name == "convert_element_type":
+                source, (target,) = eqn.invars[0], eqn.outvars
+            elif eqn.primitive.name == "gather" and eqn.invars[0].aval.ndim == 1:
+                # A lookup of integer codes in a table of levels (NF4's).
+                source, (target,) = eqn.invars[1], eqn.outvars
+                if not jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating):
+                    continue
+            else:
                 continue
-            (source,), (target,) = eqn.invars, eqn.outvars
-            if np.issubdtype(source.aval.dtype, np.integer) and jax.numpy.issubdtype(
-                target.aval.dtype, jax.numpy.floating
+            if jnp.issubdtype(source.aval.dtype, jnp.integer) and jnp.issubdtype(
+                target.aval.dtype, jnp.floating
             ):
                 largest = max(largest, int(np.prod(target.aval.shape)))
     return largest

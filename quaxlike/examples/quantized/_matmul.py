@@ -17,20 +17,98 @@ removes it). Inside a loop a block depends on the step's index, so one block is
 alive at a time; a loop of one step would be unrolled, hence at least two blocks.
 Each step is under `jax.checkpoint`, so `jax.grad` recomputes a block in the
 backward loop instead of saving every dequantised block for it.
+
+That loop is the strategy for XLA:CPU only. XLA's GPU compiler fuses an
+elementwise dequantisation into the matrix product that consumes it (the dense
+weight is never written to memory), where a loop of small products would leave
+the device underused; there the rule dequantises the whole weight into one
+product ("fused"). Each array's `matmul` field chooses, or with `None` (the
+default) `default_matmul` does, for the backend the product is traced for.
 """
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jaxtyping import ArrayLike
+from jaxtyping import ArrayLike, PyTree
 
 import quaxlike
 from quaxlike.internal import bind_dot_general, cached_rule, dot_general_labels, output_aval
 
-from ._value import QuantizedArray
+from ._base import check_matmul, QuantizedArray
+
+
+# Where a quantised array leaves the strategy to the backend (`matmul=None`): the
+# loop where XLA hoists every dequantisation out of it (CPU), and the dequantised
+# weight fused into the product elsewhere.
+_BACKEND_MATMUL = {"cpu": "loop"}
+_OTHER_BACKENDS_MATMUL = "fused"
+
+
+def default_matmul(platform: str | None = None) -> str:
+    """The strategy of matrix products with a quantised array whose `matmul` is
+    `None`, for a backend: `"loop"` on CPU, `"fused"` on any other.
+
+    `"loop"` dequantises a block of the weight's rows at a time inside a
+    `lax.scan`, so that at most `block_bytes` of dense weight exist at once,
+    which XLA:CPU needs (its scheduler starts every dequantisation outside a loop
+    as early as it can, keeping all of a model's dense weights alive together).
+    `"fused"` dequantises the whole weight into one `dot_general`, which XLA on
+    GPU fuses into the product, so the dense weight is never written out.
+
+    **Arguments:**
+
+    - `platform`: a JAX platform name (`"cpu"`, `"gpu"`, `"cuda"`, `"rocm"`,
+        `"tpu"`); by default the platform of `jax.default_backend()`, probed when
+        the product is traced. A program lowered for another backend than the
+        default one should set `matmul` on its arrays (`with_matmul`).
+
+    **Returns:**
+
+    `"loop"` or `"fused"`.
+
+    !!! example
+
+        ```python
+        assert default_matmul("cpu") == "loop" and default_matmul("cuda") == "fused"
+        ```
+    """
+    platform = jax.default_backend() if platform is None else platform
+    return _BACKEND_MATMUL.get(platform, _OTHER_BACKENDS_MATMUL)
+
+
+def with_matmul(model: PyTree, matmul: str | None) -> PyTree:
+    """`model` with the matrix-product strategy of every quantised array in it set
+    to `matmul`, LoRA bases included.
+
+    **Arguments:**
+
+    - `model`: any PyTree holding `QuantizedArray`s.
+    - `matmul`: `"loop"`, `"fused"`, or `None` for the backend's default (see
+        `default_matmul`).
+
+    **Returns:**
+
+    The same PyTree with the quantised arrays' static `matmul` field replaced.
+
+    !!! example
+
+        ```python
+        qmlp = quantize(eqx.nn.MLP(8, 2, 16, depth=1, key=jr.key(0)), bits=4, group_size=8)
+        fused = with_matmul(qmlp, "fused")
+        assert fused.layers[0].weight.matmul == "fused"
+        ```
+    """
+    check_matmul(matmul, "with_matmul")
+    is_quantized = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+    return jax.tree.map(
+        lambda x: dataclasses.replace(x, matmul=matmul) if is_quantized(x) else x,
+        model,
+        is_leaf=is_quantized,
+    )
 
 
 def block_rows(q: QuantizedArray) -> tuple[int, int]:
@@ -45,6 +123,22 @@ def block_rows(q: QuantizedArray) -> tuple[int, int]:
     blocks = min(rows, max(2, -(-rows * row_bytes // q.block_bytes)))
     size = -(-rows // blocks)
     return -(-rows // size), size
+
+
+def _product(q_is_lhs: bool, w, other, dimension_numbers, params: dict):
+    """The product of a dense `w` with `other`, in the original order."""
+    lhs, rhs = (w, other) if q_is_lhs else (other, w)
+    if isinstance(other, quaxlike.Value):  # a quantised array, say: redispatch
+        return quaxlike.quaxify(bind_dot_general)(lhs, rhs, dimension_numbers, params)
+    return bind_dot_general(lhs, rhs, dimension_numbers, params)
+
+
+def _quantized_dot(q: QuantizedArray, other, dimension_numbers, params: dict, q_is_lhs: bool):
+    strategy = q.matmul or default_matmul()
+    if strategy == "fused":
+        # Dequantised whole, for a compiler that fuses it into the product.
+        return _product(q_is_lhs, q.dequantize(), other, dimension_numbers, params)
+    return _blocked_dot(q, other, dimension_numbers, params, q_is_lhs)
 
 
 def _blocked_dot(q: QuantizedArray, other, dimension_numbers, params: dict, q_is_lhs: bool):
@@ -75,10 +169,7 @@ def _blocked_dot(q: QuantizedArray, other, dimension_numbers, params: dict, q_is
     indices = jnp.arange(blocks)
 
     def product(w, other):
-        lhs, rhs = (w, other) if q_is_lhs else (other, w)
-        if isinstance(other, quaxlike.Value):  # a quantised array, say: redispatch
-            return quaxlike.quaxify(bind_dot_general)(lhs, rhs, dimension_numbers, params)
-        return bind_dot_general(lhs, rhs, dimension_numbers, params)
+        return _product(q_is_lhs, w, other, dimension_numbers, params)
 
     def block_product(i, q, other):
         # Strided slices of the other operand, taken here rather than once before
@@ -164,13 +255,13 @@ def _slice_rows(other, start, size: int, axis: int):
 @quaxlike.register(lax.dot_general_p)
 @cached_rule
 def dot_general_p_quantized_dense(x: QuantizedArray, y: ArrayLike, *, dimension_numbers, **params):
-    return _blocked_dot(x, y, dimension_numbers, params, q_is_lhs=True)
+    return _quantized_dot(x, y, dimension_numbers, params, q_is_lhs=True)
 
 
 @quaxlike.register(lax.dot_general_p)
 @cached_rule
 def dot_general_p_dense_quantized(x: ArrayLike, y: QuantizedArray, *, dimension_numbers, **params):
-    return _blocked_dot(y, x, dimension_numbers, params, q_is_lhs=False)
+    return _quantized_dot(y, x, dimension_numbers, params, q_is_lhs=False)
 
 
 @quaxlike.register(lax.dot_general_p)
@@ -180,4 +271,4 @@ def dot_general_p_quantized_quantized(
 ):
     # Blocks of `x` meet `y`, still quantised, in products that `y`'s rule handles
     # (blocks of `y` inside each step): one block of each is alive at a time.
-    return _blocked_dot(x, y, dimension_numbers, params, q_is_lhs=True)
+    return _quantized_dot(x, y, dimension_numbers, params, q_is_lhs=True)

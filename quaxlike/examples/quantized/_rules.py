@@ -8,7 +8,7 @@ from jaxtyping import ArrayLike
 
 import quaxlike
 
-from ._value import QuantizedArray
+from ._base import QuantizedArray
 
 
 # --- operations that stay quantised ------------------------------------------------
@@ -68,7 +68,7 @@ def stop_gradient_p_quantized(x: QuantizedArray, **params):
 
 
 def _on_batch_axes(x: QuantizedArray, op) -> QuantizedArray:
-    """`x` with `op(leaf, trailing_shape)` applied to both of its row leaves."""
+    """`x` with `op(leaf, trailing_shape)` applied to each of its row leaves."""
     return x.with_row_leaves(*(op(leaf, leaf.shape[-2:]) for leaf in x.row_leaves()))
 
 

@@ -1,6 +1,5 @@
 """The quantised array types, their constructors, and `quantize` for whole models."""
 
-import abc
 import dataclasses
 import functools as ft
 from collections.abc import Callable
@@ -10,209 +9,42 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax import lax
 from jaxtyping import Array, ArrayLike, Float, Int8, PyTree, UInt8
 
-import quaxlike
-from quaxlike.internal import ShapedArray
+from ._base import (
+    as_float_matrix,
+    check_block_bytes,
+    check_group_size,
+    DEFAULT_BLOCK_BYTES,
+    dequantize_rows,
+    nibble_halves,
+    pack_nibbles,
+    QuantizedArray,
+    unpack_nibbles,
+)
+from ._nf4 import quantize_nf4
 
 
-_REFUSE_MSG = (
-    "Refusing to materialise an {type_name} of shape {shape}: that builds the whole "
-    "dense weight, which is what quantising it was meant to avoid. Call "
-    "`.dequantize()` to get the dense weight on purpose, or create the array with "
-    "`allow_materialise=True` to let primitives that have no {type_name} rule fall "
-    "back to the dense weight."
+_BAD_BITS_MSG = '`quantize`: `bits` must be 8, 4 or "nf4"; got {bits!r}.'
+_DOUBLE_QUANT_MSG = (
+    '`quantize`: `double_quant=True` quantises the scales of `bits="nf4"` only; '
+    "got `bits={bits!r}`. Pass `bits=\"nf4\"`, or leave `double_quant` out."
 )
-_NOT_A_FLOAT_MATRIX_MSG = (
-    "`{function}` quantises a floating-point array with at least two dimensions "
-    "`(*batch, out, in)` (the layout of an `eqx.nn.Linear` weight); got {got}."
-)
-_BAD_GROUP_MSG = (
-    "`quantize_int4`: `group_size={group_size}` must be even (two 4-bit values share "
-    "a byte) and divide the input dimension {size} of the weight of shape {shape}. "
-    "Pick a group size that divides {size}, or leave this weight out with `where=`."
-)
-_BAD_BITS_MSG = "`quantize`: `bits` must be 8 or 4; got {bits!r}."
 _NO_LINEAR_MSG = (
     "`quantize(model)` found no `eqx.nn.Linear` in the model ({type_name}), so it would "
     "quantise nothing. For another kind of model, say which weights to quantise "
     "with `where=`, a function returning them (as for `eqx.tree_at`), for a Flax "
     'params dict for example `where=lambda p: [p["params"]["Dense_0"]["kernel"]]`.'
 )
-_BAD_BLOCK_MSG = (
-    "`{function}`: `block_bytes` (how many bytes of dequantised weight a matrix product "
-    "builds at a time) must be a positive int; got {got!r}."
-)
-
 # Symmetric ranges: int8 codes lie in [-127, 127], int4 codes in [-7, 7].
 _INT8_MAX = 127
 _INT4_MAX = 7
 # int4 codes are stored offset by 8, as unsigned nibbles in [1, 15].
 _INT4_OFFSET = 8
-# How much dequantised weight a matrix product builds at a time, by default: a
-# block that stays in a core's L2 cache (benchmarks/README.md, "Block size").
-DEFAULT_BLOCK_BYTES = 2**19
-
-
 def _absmax_scale(w: Array, axis: int, code_max: int) -> Array:
     absmax = jnp.max(jnp.abs(w), axis=axis)
     # An all-zero row or group has any positive scale; 1 avoids dividing by zero.
     return jnp.where(absmax > 0, absmax / code_max, jnp.ones_like(absmax))
-
-
-def _check_block_bytes(block_bytes: int, function: str) -> None:
-    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
-        raise ValueError(_BAD_BLOCK_MSG.format(function=function, got=block_bytes))
-
-
-def _as_float_matrix(w: ArrayLike, function: str) -> Array:
-    w = jnp.asarray(w)
-    if w.ndim < 2 or not jnp.issubdtype(w.dtype, jnp.floating):
-        got = f"dtype {w.dtype} and shape {w.shape}"
-        raise ValueError(_NOT_A_FLOAT_MATRIX_MSG.format(function=function, got=got))
-    return w
-
-
-def dequantize_rows(ints: Array, groups: Array) -> Array:
-    """Dense rows from their integer codes `(..., in)` and the scales of their
-    groups `(..., n_groups)` (`n_groups` dividing `in`), with the same leading
-    dimensions; the result has the codes' shape and the scales' dtype."""
-    *lead, size = ints.shape
-    weights = ints.astype(groups.dtype).reshape(*lead, groups.shape[-1], -1)
-    return (weights * groups[..., None]).reshape(ints.shape)
-
-
-class QuantizedArray(quaxlike.ArrayValue):
-    """Base class of the quantised weights `Int8Array` and `Int4Array`.
-
-    A quantised array stores integer codes `q` of shape `(*batch, out, in)` and
-    floating-point scales; it stands for `q * scale` (the dequantised weight), with
-    one scale per output row (`Int8Array`) or per group of `group_size` consecutive
-    inputs of a row (`Int4Array`). Its dtype is the dtype of the scales.
-
-    Matrix products (`weight @ x`, `x @ weight.T`, batched, vmapped and
-    transposed forms, any `lax.dot_general`) dequantise the weight a block of
-    stored rows at a time, inside a loop, and multiply each block as it comes, so
-    the dense weight is never built: at most `block_bytes` of it exist at once.
-    Indexing rows (an embedding lookup, `table[ids]`) dequantises only the rows
-    taken. Transposing the last two dimensions, converting to another floating
-    dtype, negating, multiplying or dividing by a scalar, `lax.stop_gradient`,
-    and slicing, indexing or reshaping the leading batch dimensions stay
-    quantised. Any other primitive materialises the dense weight, which by
-    default raises an error instead (see `allow_materialise`).
-
-    All of `QuantizedArray`'s subclasses share two static fields: `transposed`,
-    true when the array stands for the stored weight with its last two
-    dimensions swapped (as `weight.T` gives), and `block_bytes`, the most bytes
-    of dequantised weight a matrix product builds at a time.
-
-    **Arguments:**
-
-    None of its own: it is abstract. Build an `Int8Array` or `Int4Array`, usually
-    with `quantize_int8`, `quantize_int4` or `quantize`.
-
-    !!! example
-
-        ```python
-        w = jr.normal(jr.key(0), (4, 8))
-        for q in (quantize_int8(w), quantize_int4(w, group_size=4)):
-            assert isinstance(q, QuantizedArray)
-            y = quaxlike.quaxify(lambda m, x: m @ x)(q, jnp.ones(8))  # on the codes
-            assert jnp.allclose(y, q.dequantize() @ jnp.ones(8), atol=1e-5)
-        ```
-    """
-
-    transposed: eqx.AbstractVar[bool]
-    allow_materialise: eqx.AbstractVar[bool]
-    block_bytes: eqx.AbstractVar[int]
-    scale: eqx.AbstractVar[Array]
-
-    @property
-    @abc.abstractmethod
-    def stored_shape(self) -> tuple[int, ...]:
-        """The shape `(*batch, out, in)` of the weight as stored (before any
-        transpose)."""
-
-    @property
-    @abc.abstractmethod
-    def group_size(self) -> int | None:
-        """How many consecutive inputs of a row share one scale; `None` when the whole
-        row does (per-channel quantisation)."""
-
-    @abc.abstractmethod
-    def row_leaves(self) -> tuple[Array, Array]:
-        """The stored leaves seen row by row: `(data, groups)`, where `data` holds
-        the codes as stored, `(*batch, out, in)` or packed `(*batch, out, in // 2)`,
-        and `groups` the scales with a last axis of groups, `(*batch, out,
-        n_groups)` (one group for `Int8Array`). An operation that keeps the last
-        axis whole applies alike to both (see `with_row_leaves`)."""
-
-    @abc.abstractmethod
-    def with_row_leaves(self, data: Array, groups: Array) -> "QuantizedArray":
-        """A copy with the leaves `row_leaves` describes replaced."""
-
-    @abc.abstractmethod
-    def unpack(self, data: Array) -> Int8[Array, "..."]:  # noqa: F722
-        """The integer codes `(..., in)` of stored data `(..., k)`, as `row_leaves`
-        gives it or after an operation on its leading axes."""
-
-    def codes(self) -> Int8[Array, "*batch out in"]:  # noqa: F722
-        """The integer codes as `int8`, in stored layout `(*batch, out, in)`."""
-        return self.unpack(self.row_leaves()[0])
-
-    #: Into how many phases `dequantize_phases` cuts the columns.
-    phases: ClassVar[int] = 1
-
-    def dequantize_phases(self, data: Array, groups: Array) -> list[Array]:
-        """Dense rows from row leaves (as `row_leaves` gives them, or after an
-        operation on their leading axes), cut into `phases` arrays by column:
-        phase `j` holds columns `j, j + phases, j + 2 * phases, ...`. The cut that
-        unpacks fastest: one phase, in order, for `Int8Array`; for `Int4Array`,
-        two of whose codes share a byte, the even columns (low nibbles) and the
-        odd ones (high nibbles)."""
-        return [dequantize_rows(self.unpack(data), groups)]
-
-    def stored_rows(self, start: ArrayLike, size: int) -> "QuantizedArray":
-        """Rows `start` to `start + size` of the stored weight (axis `-2` of
-        `(*batch, out, in)`), as a quantised array of the same kind in stored
-        layout (`transposed=False`). `start` may be traced; as for
-        `lax.dynamic_slice`, it is clamped so that the rows lie inside the weight.
-        """
-        rows = [lax.dynamic_slice_in_dim(x, start, size, axis=-2) for x in self.row_leaves()]
-        return dataclasses.replace(self.with_row_leaves(*rows), transposed=False)
-
-    def aval(self) -> ShapedArray:
-        shape = self.stored_shape
-        if self.transposed:
-            shape = (*shape[:-2], shape[-1], shape[-2])
-        return ShapedArray(shape, self.scale.dtype)
-
-    def dequantize(self) -> Array:
-        """The dense weight `codes * scale` this array stands for, built on purpose
-        (whatever `allow_materialise` says).
-
-        **Returns:**
-
-        An array of this array's shape and dtype.
-        """
-        dense = dequantize_rows(self.codes(), self.row_leaves()[1])
-        return jnp.swapaxes(dense, -1, -2) if self.transposed else dense
-
-    def materialise(self) -> Array:
-        if not self.allow_materialise:
-            raise RuntimeError(
-                _REFUSE_MSG.format(type_name=type(self).__qualname__, shape=self.shape)
-            )
-        return self.dequantize()
-
-    def with_scale(self, scale: Array) -> "QuantizedArray":
-        """A copy with the scales replaced (same shape; the dtype may change)."""
-        return eqx.tree_at(lambda a: a.scale, self, scale)
-
-    def swapped(self) -> "QuantizedArray":
-        """A copy standing for the transpose of the last two dimensions."""
-        return dataclasses.replace(self, transposed=not self.transposed)
 
 
 class Int8Array(QuantizedArray):
@@ -233,6 +65,8 @@ class Int8Array(QuantizedArray):
         the dense weight (by default that raises an error instead).
     - `block_bytes`: the most bytes of dequantised weight a matrix product builds
         at a time (see `quantize`).
+    - `matmul`: how matrix products are computed: `"loop"`, `"fused"` or `None`
+        for the backend's default (see `QuantizedArray`).
 
     !!! example
 
@@ -247,6 +81,7 @@ class Int8Array(QuantizedArray):
     transposed: bool = eqx.field(static=True, default=False)
     allow_materialise: bool = eqx.field(static=True, default=False)
     block_bytes: int = eqx.field(static=True, default=DEFAULT_BLOCK_BYTES)
+    matmul: str | None = eqx.field(static=True, default=None)
 
     def __check_init__(self):
         if self.values.ndim < 2 or self.scale.shape != self.values.shape[:-1]:
@@ -266,31 +101,16 @@ class Int8Array(QuantizedArray):
     def row_leaves(self) -> tuple[Array, Array]:
         return self.values, self.scale[..., None]
 
-    def with_row_leaves(self, data: Array, groups: Array) -> "Int8Array":
+    def with_row_leaves(self, *leaves: Array) -> "Int8Array":
+        data, groups = leaves
         return dataclasses.replace(self, values=data, scale=groups[..., 0])
 
     def unpack(self, data: Array) -> Int8[Array, "..."]:  # noqa: F722
         return data
 
 
-def _pack_nibbles(codes: Array) -> Array:
-    # Byte j of a row holds code 2j in its low nibble and code 2j + 1 in its high one.
-    nibbles = (codes + _INT4_OFFSET).astype(jnp.uint8)
-    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-
-
-def _nibbles(packed: Array) -> tuple[Array, Array]:
-    """The codes in the low and in the high nibbles: columns 2j and 2j + 1."""
-    low = (packed & 0xF).astype(jnp.int8) - _INT4_OFFSET
-    return low, (packed >> 4).astype(jnp.int8) - _INT4_OFFSET
-
-
-def _unpack_nibbles(packed: Array) -> Array:
-    # Shifts by (0, 4) broadcast along a new last axis give the nibbles of each
-    # byte in column order, low first.
-    shifts = jnp.array([0, 4], jnp.uint8).reshape((1,) * packed.ndim + (2,))
-    nibbles = ((packed[..., None] >> shifts) & 0xF).astype(jnp.int8) - _INT4_OFFSET
-    return nibbles.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+def _int4_codes(nibbles: Array) -> Array:
+    return nibbles.astype(jnp.int8) - _INT4_OFFSET
 
 
 class Int4Array(QuantizedArray):
@@ -314,6 +134,8 @@ class Int4Array(QuantizedArray):
         the dense weight (by default that raises an error instead).
     - `block_bytes`: the most bytes of dequantised weight a matrix product builds
         at a time (see `quantize`).
+    - `matmul`: how matrix products are computed: `"loop"`, `"fused"` or `None`
+        for the backend's default (see `QuantizedArray`).
 
     !!! example
 
@@ -328,6 +150,7 @@ class Int4Array(QuantizedArray):
     transposed: bool = eqx.field(static=True, default=False)
     allow_materialise: bool = eqx.field(static=True, default=False)
     block_bytes: int = eqx.field(static=True, default=DEFAULT_BLOCK_BYTES)
+    matmul: str | None = eqx.field(static=True, default=None)
 
     def __check_init__(self):
         *batch, out, half = self.packed.shape
@@ -358,17 +181,19 @@ class Int4Array(QuantizedArray):
     def row_leaves(self) -> tuple[Array, Array]:
         return self.packed, self.scale
 
-    def with_row_leaves(self, data: Array, groups: Array) -> "Int4Array":
+    def with_row_leaves(self, *leaves: Array) -> "Int4Array":
+        data, groups = leaves
         return dataclasses.replace(self, packed=data, scale=groups)
 
     def unpack(self, data: Array) -> Int8[Array, "..."]:  # noqa: F722
-        return _unpack_nibbles(data)
+        return _int4_codes(unpack_nibbles(data))
 
-    def dequantize_phases(self, data: Array, groups: Array) -> list[Array]:
+    def dequantize_phases(self, *leaves: Array) -> list[Array]:
+        data, groups = leaves
         # Low nibbles (even columns) and high nibbles (odd columns) apart: no
         # shuffling of nibbles into column order, which XLA's CPU code does
         # slowly. A group of `g` columns holds `g / 2` of each.
-        return [dequantize_rows(c, groups) for c in _nibbles(data)]
+        return [dequantize_rows(_int4_codes(c), groups) for c in nibble_halves(data)]
 
 
 # The arithmetic of `quantize_int8` and `quantize_int4`, jitted: called eagerly on a
@@ -386,11 +211,15 @@ def _quantize_int4_arrays(w: Array, group_size: int) -> tuple[Array, Array]:
     groups = w.reshape(*batch, out, size // group_size, group_size)
     scale = _absmax_scale(groups, -1, _INT4_MAX)
     codes = jnp.clip(jnp.round(groups / scale[..., None]), -_INT4_MAX, _INT4_MAX)
-    return _pack_nibbles(codes.astype(jnp.int8).reshape(w.shape)), scale
+    return pack_nibbles(codes.reshape(w.shape) + _INT4_OFFSET), scale
 
 
 def quantize_int8(
-    w: ArrayLike, *, allow_materialise: bool = False, block_bytes: int = DEFAULT_BLOCK_BYTES
+    w: ArrayLike,
+    *,
+    allow_materialise: bool = False,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    matmul: str | None = None,
 ) -> Int8Array:
     """Quantise a dense weight to `int8`, one absmax scale per output channel.
 
@@ -398,7 +227,7 @@ def quantize_int8(
 
     - `w`: a floating-point weight of shape `(*batch, out, in)`, such as the weight
         of an `eqx.nn.Linear`. Each row `w[..., o, :]` gets its own scale.
-    - `allow_materialise`, `block_bytes`: as for `Int8Array`.
+    - `allow_materialise`, `block_bytes`, `matmul`: as for `Int8Array`.
 
     **Returns:**
 
@@ -412,12 +241,16 @@ def quantize_int8(
         w.values  # int8 [[127, -64], [16, 127]]
         ```
     """
-    w = _as_float_matrix(w, "quantize_int8")
-    _check_block_bytes(block_bytes, "quantize_int8")
+    w = as_float_matrix(w, "quantize_int8")
+    check_block_bytes(block_bytes, "quantize_int8")
     values, scale = _quantize_int8_arrays(w)
     # Keywords: pyright orders the fields with the `AbstractVar`s of the base first.
     return Int8Array(
-        values=values, scale=scale, allow_materialise=allow_materialise, block_bytes=block_bytes
+        values=values,
+        scale=scale,
+        allow_materialise=allow_materialise,
+        block_bytes=block_bytes,
+        matmul=matmul,
     )
 
 
@@ -427,6 +260,7 @@ def quantize_int4(
     group_size: int = 32,
     allow_materialise: bool = False,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    matmul: str | None = None,
 ) -> Int4Array:
     """Quantise a dense weight to 4 bits, one absmax scale per group of inputs.
 
@@ -436,7 +270,7 @@ def quantize_int4(
         of an `eqx.nn.Linear`.
     - `group_size`: how many consecutive inputs of a row share a scale. It must be
         even and divide `in`. Smaller groups are more accurate and store more scales.
-    - `allow_materialise`, `block_bytes`: as for `Int4Array`.
+    - `allow_materialise`, `block_bytes`, `matmul`: as for `Int4Array`.
 
     **Returns:**
 
@@ -450,14 +284,17 @@ def quantize_int4(
         w.packed.shape, w.scale.shape  # (1, 32), (1, 4)
         ```
     """
-    w = _as_float_matrix(w, "quantize_int4")
+    w = as_float_matrix(w, "quantize_int4")
     *batch, out, size = w.shape
-    if group_size <= 0 or group_size % 2 or size % group_size:
-        raise ValueError(_BAD_GROUP_MSG.format(group_size=group_size, size=size, shape=w.shape))
-    _check_block_bytes(block_bytes, "quantize_int4")
+    check_group_size(w.shape, group_size, "quantize_int4")
+    check_block_bytes(block_bytes, "quantize_int4")
     packed, scale = _quantize_int4_arrays(w, group_size)
     return Int4Array(
-        packed=packed, scale=scale, allow_materialise=allow_materialise, block_bytes=block_bytes
+        packed=packed,
+        scale=scale,
+        allow_materialise=allow_materialise,
+        block_bytes=block_bytes,
+        matmul=matmul,
     )
 
 
@@ -472,11 +309,13 @@ def _linear_weights(model: PyTree) -> list:
 def quantize(
     model: PyTree,
     *,
-    bits: int = 8,
-    group_size: int = 32,
+    bits: int | str = 8,
+    group_size: int | None = None,
+    double_quant: bool = False,
     where: Callable[[PyTree], Any] | None = None,
     allow_materialise: bool = False,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    matmul: str | None = None,
 ) -> PyTree:
     """Replace the weight of every `eqx.nn.Linear` in `model` by a quantised one.
 
@@ -489,12 +328,15 @@ def quantize(
     **Arguments:**
 
     - `model`: any PyTree holding Equinox layers.
-    - `bits`: 8 for `Int8Array` (per output channel) or 4 for `Int4Array` (per
-        group).
-    - `group_size`: the group size for `bits=4` (ignored for 8).
+    - `bits`: 8 for `Int8Array` (per output channel), 4 for `Int4Array` (per
+        group) or `"nf4"` for `NF4Array` (4-bit NormalFloat codes, per group).
+    - `group_size`: the group size for `bits=4` (default 32) and `"nf4"` (default
+        64); ignored for 8.
+    - `double_quant`: for `bits="nf4"` only: quantise the groups' scales to 8 bits
+        too (see `quantize_nf4`).
     - `where`: instead of every `Linear` weight, the arrays this function selects
         (as for `eqx.tree_at`: one array, or a list or tuple of them).
-    - `allow_materialise`: as for `Int8Array` and `Int4Array`.
+    - `allow_materialise`, `matmul`: as for `Int8Array`, `Int4Array` and `NF4Array`.
     - `block_bytes`: the most bytes of dequantised weight a matrix product builds
         at a time (default 512 KiB). A matrix product dequantises its weight in
         blocks of whole rows, one after another inside a loop, and at least two
@@ -519,13 +361,16 @@ def quantize(
         y = eqx.filter_jit(quaxlike.quaxify(qmlp))(jnp.ones(64))
         ```
     """
+    options = dict(allow_materialise=allow_materialise, block_bytes=block_bytes, matmul=matmul)
+    if double_quant and bits != "nf4":
+        raise ValueError(_DOUBLE_QUANT_MSG.format(bits=bits))
     if bits == 8:
-        make = lambda w: quantize_int8(  # noqa: E731
-            w, allow_materialise=allow_materialise, block_bytes=block_bytes
-        )
+        make = ft.partial(quantize_int8, **options)
     elif bits == 4:
-        make = lambda w: quantize_int4(  # noqa: E731
-            w, group_size=group_size, allow_materialise=allow_materialise, block_bytes=block_bytes
+        make = ft.partial(quantize_int4, group_size=group_size or 32, **options)
+    elif bits == "nf4":
+        make = ft.partial(
+            quantize_nf4, group_size=group_size or 64, double_quant=double_quant, **options
         )
     else:
         raise ValueError(_BAD_BITS_MSG.format(bits=bits))
