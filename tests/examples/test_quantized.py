@@ -27,6 +27,7 @@ from quaxlike.examples.quantized import (
     quantize,
     quantize_int4,
     quantize_int8,
+    quantize_nf4,
     QuantizedArray,
 )
 
@@ -34,6 +35,9 @@ from quaxlike.examples.quantized import (
 OUT, IN, BATCH, LAYERS = 6, 16, 3, 2
 GROUP = 8  # int4 group size used with IN = 16: two groups per row
 KINDS = ["int8", "int4"]
+# ... and NF4, with float absmaxes or double-quantised ones (in second-level blocks
+# of two rows here, so that products and indexing meet several blocks).
+ALL_KINDS = [*KINDS, "nf4", "nf4-dq"]
 
 
 # Jitted, so that each compiles once per shape rather than once per primitive.
@@ -45,7 +49,10 @@ def make(kind, seed, shape=(OUT, IN), **kwargs):
     w = randn(seed, shape)
     if kind == "int8":
         return quantize_int8(w, **kwargs)
-    return quantize_int4(w, group_size=GROUP, **kwargs)
+    if kind == "int4":
+        return quantize_int4(w, group_size=GROUP, **kwargs)
+    double_quant = dict(double_quant=True, double_quant_block=4) if kind == "nf4-dq" else {}
+    return quantize_nf4(w, group_size=GROUP, **double_quant, **kwargs)
 
 
 def run_both(fn, *args):
@@ -137,7 +144,7 @@ def test_refuses_to_materialise_with_a_teaching_error(getseed):
     assert "allow_materialise=True" in str(info.value.__cause__)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_allowed_materialisation_falls_back(kind, getseed):
     q = make(kind, getseed(), allow_materialise=True)
     got, expected, _ = run_both(jnp.sin, q)
@@ -177,7 +184,7 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_dot_general_layouts(kind, getseed):
     # All layouts in one trace and one compilation: a trace per layout is slow.
     matrix = make(kind, getseed(), (OUT, IN))
@@ -197,7 +204,15 @@ def test_dot_general_layouts(kind, getseed):
 
 
 @pytest.mark.parametrize(
-    "kinds", [("int8", "int4"), ("int4", "int8"), ("int8", "int8"), ("int4", "int4")]
+    "kinds",
+    [
+        ("int8", "int4"),
+        ("int4", "int8"),
+        ("int8", "int8"),
+        ("int4", "int4"),
+        ("nf4-dq", "int4"),
+        ("int8", "nf4"),
+    ],
 )
 def test_dot_general_quantized_quantized(kinds, getseed):
     # Blocks of one operand meet the other, still quantised, whose own rule takes
@@ -210,7 +225,7 @@ def test_dot_general_quantized_quantized(kinds, getseed):
     assert_dequantized_in_blocks(jaxpr, a, b, c)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_blocks_that_do_not_divide_the_rows(kind, getseed):
     # Blocks of two rows: for 5 or 7 rows the last block overlaps the one before,
     # and its rows are counted once whether they are free (w @ x) or contracted
@@ -274,7 +289,7 @@ def test_dot_keeps_precision_and_preferred_type(getseed):
 # --- operations that stay quantised ----------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_transpose_scalars_and_convert_stay_quantized(kind, getseed):
     q = make(kind, getseed())
 
@@ -304,7 +319,7 @@ def assert_pairs_close(pairs, rtol=1e-5, atol=1e-5):
         assert tree_allclose(got, expected, rtol=rtol, atol=atol), name
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_jit_vmap_grad_over_inputs(kind, getseed):
     q = make(kind, getseed())
     xs = randn(getseed(), (BATCH, IN))
@@ -333,7 +348,7 @@ def test_jit_vmap_grad_over_inputs(kind, getseed):
     assert_pairs_close(run(q, xs))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_vmap_over_stacked_quantized_arrays(kind, getseed):
     q = make(kind, getseed(), (LAYERS, OUT, IN))  # quantised row by row, per layer
     # Two separately built arrays, stacked leaf by leaf.
@@ -365,7 +380,7 @@ def test_vmap_over_stacked_quantized_arrays(kind, getseed):
 VOCAB = 10  # an embedding table of VOCAB rows of IN
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_embedding_rows(kind, getseed):
     # Looking up rows of a quantised table dequantises those rows only.
     table = make(kind, getseed(), (VOCAB, IN))
@@ -391,7 +406,7 @@ def test_embedding_rows(kind, getseed):
     assert 0 < largest_dequantized(jaxpr) <= ids.size * IN < table.size
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_indexing_whole_matrices_stays_quantized(kind, getseed):
     stacked = make(kind, getseed(), (LAYERS + 1, OUT, IN))
     x = randn(getseed(), (IN,))
@@ -466,8 +481,13 @@ def test_peak_memory_ratios():
         "scan": peak_bytes(scan, stacked, xs),
         "vmap": peak_bytes(vmap, stacked, per_layer_xs),
     }
-    for bits, kind, target in ((8, quantize_int8, 0.30), (4, quantize_int4, 0.20)):
-        model = eqx.filter_eval_shape(lambda m: quantize(m, bits=bits), mlp)
+    nf4 = dict(bits="nf4", double_quant=True)
+    for options, kind, target in (
+        (dict(bits=8), quantize_int8, 0.30),
+        (dict(bits=4), quantize_int4, 0.20),
+        (nf4, lambda w: quantize_nf4(w, double_quant=True), 0.20),
+    ):
+        model = eqx.filter_eval_shape(lambda m: quantize(m, **options), mlp)
         weights = eqx.filter_eval_shape(kind, stacked)
         ratios = {
             "forward": peak_bytes(forward, model, xs),
@@ -476,13 +496,13 @@ def test_peak_memory_ratios():
             "vmap": peak_bytes(quaxlike.quaxify(vmap), weights, per_layer_xs),
         }
         ratios = {case: peak / dense[case] for case, peak in ratios.items()}
-        assert all(ratio <= target for ratio in ratios.values()), (bits, ratios)
+        assert all(ratio <= target for ratio in ratios.values()), (options, ratios)
 
 
 # --- control flow inside quaxify -------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_scan_over_inputs_and_over_layers(kind, getseed):
     q = make(kind, getseed())
     square = make(kind, getseed(), (LAYERS, IN, IN))
@@ -511,7 +531,7 @@ def test_scan_over_inputs_and_over_layers(kind, getseed):
     assert_pairs_close(run(q, square, xs))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_cond_and_while_loop(kind, getseed):
     q = make(kind, getseed(), (IN, IN))
     x = randn(getseed(), (IN,))

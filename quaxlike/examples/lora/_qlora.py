@@ -12,8 +12,9 @@ def qlora(
     *,
     rank: int,
     key: PRNGKeyArray,
-    bits: int = 4,
-    group_size: int = 32,
+    bits: int | str = 4,
+    group_size: int | None = None,
+    double_quant: bool = False,
     scale: float = 0.01,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> PyTree:
@@ -22,16 +23,18 @@ def qlora(
 
     The same as `loraify(quantize(model, bits=bits, ...), rank=rank, key=key)`:
     each weight becomes a `LoraArray` whose frozen base is an `Int4Array` (or
-    `Int8Array`). Products with it run on the quantised base block by block (it
-    is never dequantised whole) plus the low-rank update; gradients stop at the
-    base. For other selections, call `quantize` and `loraify` yourself.
+    `Int8Array`, or with `bits="nf4"` an `NF4Array`, as in the QLoRA paper).
+    Products with it run on the quantised base (on CPU block by block, never
+    dequantised whole; see `default_matmul`) plus the low-rank update; gradients
+    stop at the base. For other selections, call `quantize` and `loraify` yourself.
 
     **Arguments:**
 
     - `model`: any PyTree holding `eqx.nn.Linear` layers.
     - `rank`, `key`, `scale`: as for `loraify`.
-    - `bits`, `group_size`, `block_bytes`: as for
-        `quaxlike.examples.quantized.quantize`.
+    - `bits`, `group_size`, `double_quant`, `block_bytes`: as for
+        `quaxlike.examples.quantized.quantize` (the paper's setting is
+        `bits="nf4", double_quant=True`, groups of 64).
 
     **Returns:**
 
@@ -47,5 +50,11 @@ def qlora(
         y = quaxlike.quaxify(model)(jnp.ones(64))
         ```
     """
-    quantized = quantize(model, bits=bits, group_size=group_size, block_bytes=block_bytes)
+    quantized = quantize(
+        model,
+        bits=bits,
+        group_size=group_size,
+        double_quant=double_quant,
+        block_bytes=block_bytes,
+    )
     return loraify(quantized, rank=rank, key=key, scale=scale)

@@ -33,8 +33,7 @@ _BAD_GROUP_MSG = (
 )
 
 _BAD_MATMUL_MSG = (
-    "`{type_name}`: `matmul` must be None (the backend's default), \"loop\" or "
-    "\"fused\"; got {got!r}."
+    '`{type_name}`: `matmul` must be None (the backend\'s default), "loop" or "fused"; got {got!r}.'
 )
 
 _BAD_BLOCK_MSG = (
@@ -50,7 +49,6 @@ DEFAULT_BLOCK_BYTES = 2**19
 # for the backend's default, a loop over blocks of rows, or the whole weight
 # dequantised into the product (which XLA fuses on GPU).
 MATMUL_STRATEGIES = (None, "loop", "fused")
-
 
 
 def check_matmul(matmul: Any, type_name: str) -> None:
@@ -243,7 +241,6 @@ class QuantizedArray(quaxlike.ArrayValue):
         return dataclasses.replace(self, transposed=not self.transposed)
 
 
-
 def pack_nibbles(nibbles: Array) -> Array:
     """Two 4-bit values `(..., 2k)` in `[0, 15]` per byte `(..., k)`: byte `j` of a
     row holds value `2j` in its low nibble and value `2j + 1` in its high one."""
@@ -264,5 +261,3 @@ def unpack_nibbles(packed: Array) -> Array:
     shifts = jnp.array([0, 4], jnp.uint8).reshape((1,) * packed.ndim + (2,))
     nibbles = (packed[..., None] >> shifts) & 0xF
     return nibbles.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-
-

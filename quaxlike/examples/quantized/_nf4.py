@@ -164,7 +164,9 @@ class NF4Array(QuantizedArray):
         if not ok:
             absmax = None if self.absmax is None else self.absmax.shape
             raise ValueError(
-                _BAD_LEAVES_MSG.format(packed=self.packed.shape, scale=self.scale.shape, absmax=absmax)
+                _BAD_LEAVES_MSG.format(
+                    packed=self.packed.shape, scale=self.scale.shape, absmax=absmax
+                )
             )
 
     @property

@@ -25,10 +25,10 @@ from ._base import (
 from ._nf4 import quantize_nf4
 
 
-_BAD_BITS_MSG = '`quantize`: `bits` must be 8, 4 or "nf4"; got {bits!r}.'
+_BAD_BITS_MSG = '`quantize`: `bits` must be 8 or 4, or "nf4" for NormalFloat codes; got {bits!r}.'
 _DOUBLE_QUANT_MSG = (
     '`quantize`: `double_quant=True` quantises the scales of `bits="nf4"` only; '
-    "got `bits={bits!r}`. Pass `bits=\"nf4\"`, or leave `double_quant` out."
+    'got `bits={bits!r}`. Pass `bits="nf4"`, or leave `double_quant` out.'
 )
 _NO_LINEAR_MSG = (
     "`quantize(model)` found no `eqx.nn.Linear` in the model ({type_name}), so it would "
@@ -41,6 +41,8 @@ _INT8_MAX = 127
 _INT4_MAX = 7
 # int4 codes are stored offset by 8, as unsigned nibbles in [1, 15].
 _INT4_OFFSET = 8
+
+
 def _absmax_scale(w: Array, axis: int, code_max: int) -> Array:
     absmax = jnp.max(jnp.abs(w), axis=axis)
     # An all-zero row or group has any positive scale; 1 avoids dividing by zero.
