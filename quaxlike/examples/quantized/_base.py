@@ -95,17 +95,19 @@ def dequantize_rows(ints: Array, groups: Array) -> Array:
 
 
 class QuantizedArray(quaxlike.ArrayValue):
-    """Base class of the quantised weights `Int8Array` and `Int4Array`.
+    """Base class of the quantised weights `Int8Array`, `Int4Array` and `NF4Array`.
 
     A quantised array stores integer codes `q` of shape `(*batch, out, in)` and
     floating-point scales; it stands for `q * scale` (the dequantised weight), with
     one scale per output row (`Int8Array`) or per group of `group_size` consecutive
-    inputs of a row (`Int4Array`). Its dtype is the dtype of the scales.
+    inputs of a row (`Int4Array`); an `NF4Array` stands for `levels[q] * absmax`
+    instead. Its dtype is the dtype of the scales.
 
     Matrix products (`weight @ x`, `x @ weight.T`, batched, vmapped and
     transposed forms, any `lax.dot_general`) dequantise the weight a block of
     stored rows at a time, inside a loop, and multiply each block as it comes, so
-    the dense weight is never built: at most `block_bytes` of it exist at once.
+    the dense weight is never built: at most `block_bytes` of it exist at once
+    (the CPU default; see `matmul` below).
     Indexing rows (an embedding lookup, `table[ids]`) dequantises only the rows
     taken. Transposing the last two dimensions, converting to another floating
     dtype, negating, multiplying or dividing by a scalar, `lax.stop_gradient`,
@@ -124,8 +126,9 @@ class QuantizedArray(quaxlike.ArrayValue):
 
     **Arguments:**
 
-    None of its own: it is abstract. Build an `Int8Array` or `Int4Array`, usually
-    with `quantize_int8`, `quantize_int4` or `quantize`.
+    None of its own: it is abstract. Build an `Int8Array`, `Int4Array` or
+    `NF4Array`, usually with `quantize_int8`, `quantize_int4`, `quantize_nf4` or
+    `quantize`.
 
     !!! example
 
@@ -176,7 +179,8 @@ class QuantizedArray(quaxlike.ArrayValue):
     @abc.abstractmethod
     def unpack(self, data: Array) -> Int8[Array, "..."]:  # noqa: F722
         """The integer codes `(..., in)` of stored data `(..., k)`, as `row_leaves`
-        gives it or after an operation on its leading axes."""
+        gives it or after an operation on its leading axes (`int8`; an `NF4Array`'s
+        are `uint8` level indices)."""
 
     def codes(self) -> Int8[Array, "*batch out in"]:  # noqa: F722
         """The integer codes as `int8`, in stored layout `(*batch, out, in)`."""
