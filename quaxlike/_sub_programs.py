@@ -126,7 +126,10 @@ def only_materialises(closed_jaxpr, values, eager_trace) -> bool:
             unread.difference_update(reads)
         for out in eqn.outvars:
             env[out] = concrete
-    return not unread and not any(v in holds_value for v in jaxpr.outvars)
+    # An output may be a `Literal` (a `jit` returning a constant), never a Value.
+    return not unread and not any(
+        type(v) is not jc.Literal and v in holds_value for v in jaxpr.outvars
+    )
 
 
 def _eqn_only_materialises(eqn, args, eager_trace) -> bool:
