@@ -38,6 +38,7 @@ Inventory (what, what for, where it exists, fallback):
 | `source_info_util`, `traceback_util` | hiding quaxlike's frames, finding the user's line | `jax._src` (all) | no filtering; the outermost non-library frame |
 | `linear_util.wrap_init`, `api_util.debug_info` | `WrappedFun`s for old-style `shard_map` bodies | `jax._src` (all) | raises when that path is needed |
 | `Primitive.bind_with_trace` | running an equation in a given trace | `(trace, args, params)` up to 0.8; `(trace, args, avals, params)` from 0.9 | `binder` picks the call by the signature |
+| `Tracer.to_concrete_value`, `core.to_concrete_value` | eager concreteness of a QuaxTracer (`concrete_or_error`, `bool`, `.item()`, boolean masks) | every release tested: JAX asks a tracer's `to_concrete_value()` (`None`: not concrete) | `concreteness_reader` calls the method where `core.to_concrete_value` is missing; a JAX that never asks treats every QuaxTracer as abstract, as before |
 
 A shortcut that a probe turns off is reported by `disabled_shortcuts()`.
 """
@@ -276,6 +277,34 @@ def check_no_leaks(traces) -> None:
             if make_error is not None:
                 raise make_error("trace", trace, leaked)
             raise Exception(f"Leaked trace {trace}. Leaked tracer(s): {leaked}")
+
+
+# --- concreteness ------------------------------------------------------------
+
+
+def concreteness_reader(core) -> Callable[[Any], Any]:
+    """`to_concrete_value(x)`: the concrete value JAX knows for `x`, or `None`
+    (a tracer with no known value). `core.to_concrete_value` in every release
+    tested; else asked of a tracer directly, as JAX's tracers answer it
+    (`Tracer.to_concrete_value()`), and `x` itself for anything else."""
+    found = _first((core, "to_concrete_value"))
+    if found is not None:
+        return found
+
+    def ask(x):
+        if isinstance(x, Tracer):
+            method = getattr(x, "to_concrete_value", None)
+            return method() if method is not None else None
+        return x
+
+    return ask
+
+
+to_concrete_value = concreteness_reader(_core)
+# Whether JAX asks a tracer for its concrete value (`concrete_or_error`,
+# `Tracer.__bool__`, ...): the method on the base class, whose default answers
+# `None`. Where it does not, a QuaxTracer stays abstract even eagerly.
+TRACERS_ANSWER_CONCRETENESS = callable(getattr(Tracer, "to_concrete_value", None))
 
 
 # --- jaxprs ------------------------------------------------------------------

@@ -18,8 +18,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from . import _instrument, _jax_compat as jc, _sub_programs
+from . import _concrete, _instrument, _jax_compat as jc, _sub_programs
 from ._diagnostics import messages, QuaxlikeError, rule_location, rule_name
 from ._rules import default_description, dispatch_kind, Plan, plan_for
 from ._values import checked_aval, is_value, Value
@@ -38,6 +39,19 @@ class QuaxTracer(jc.Tracer):
 
     def full_lower(self):
         return self
+
+    def to_concrete_value(self):
+        # JAX's concreteness question (`concrete_or_error`, `bool(x)`, `x.item()`):
+        # answered with the array the Value stands for where it is known.
+        return _concrete.concrete_value(self._trace.parent_trace, self.value, self.aval)
+
+    def __array__(self, *args, **kwargs):
+        # NumPy's conversion (`x[mask]` takes `np.where(np.asarray(mask))` once
+        # JAX has found the mask concrete): the concrete array's, else JAX's error.
+        concrete = self.to_concrete_value()
+        if concrete is None:
+            return super().__array__(*args, **kwargs)
+        return np.asarray(concrete).__array__(*args, **kwargs)
 
     def __repr__(self):
         return f"QuaxTracer<{type(self.value).__qualname__}: {self.aval.str_short()}>"
