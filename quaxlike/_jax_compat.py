@@ -38,6 +38,7 @@ Inventory (what, what for, where it exists, fallback):
 | `source_info_util`, `traceback_util` | hiding quaxlike's frames, finding the user's line | `jax._src` (all) | no filtering; the outermost non-library frame |
 | `linear_util.wrap_init`, `api_util.debug_info` | `WrappedFun`s for old-style `shard_map` bodies | `jax._src` (all) | raises when that path is needed |
 | `Primitive.bind_with_trace` | running an equation in a given trace | `(trace, args, params)` up to 0.8; `(trace, args, avals, params)` from 0.9 | `binder` picks the call by the signature |
+| `custom_jvp_call_p`/`custom_vjp_call_p` param `call_jaxpr` | the eager verdict looks into a custom derivative's primal | a `ClosedJaxpr` in every release tested | `custom_call_primal_jaxpr` returns `None`: such a call is run op by op, as before |
 | `Tracer.to_concrete_value`, `core.to_concrete_value` | eager concreteness of a QuaxTracer (`concrete_or_error`, `bool`, `.item()`, boolean masks) | every release tested: JAX asks a tracer's `to_concrete_value()` (`None`: not concrete) | `concreteness_reader` calls the method where `core.to_concrete_value` is missing; a JAX that never asks treats every QuaxTracer as abstract, as before |
 
 A shortcut that a probe turns off is reported by `disabled_shortcuts()`.
@@ -445,6 +446,15 @@ pvary_p: Any = _first((_core, "pvary_p")) or _stand_in_primitive("pvary")
 sharding_constraint_p: Any = _first((_pjit, "sharding_constraint_p")) or _stand_in_primitive(
     "sharding_constraint"
 )
+
+def custom_call_primal_jaxpr(params) -> Any:
+    """The primal function of a `custom_jvp_call` or `custom_vjp_call` equation
+    (its `call_jaxpr` param, a `ClosedJaxpr` in every release tested), or
+    `None` where the params hold none (the trace hooks' params, or a release
+    that names it otherwise)."""
+    jaxpr = params.get("call_jaxpr")
+    return jaxpr if ClosedJaxpr is not None and isinstance(jaxpr, ClosedJaxpr) else None
+
 
 _Inline = _first((jax, "Inline"), (_api, "Inline"))
 _INLINE_EARLY = getattr(_Inline, "JAX_EARLY", None)

@@ -104,12 +104,13 @@ class QuaxTrace(jc.Trace):
         return None
 
     def _adopt(self, tracers):
-        return [
-            QuaxTracer(self, t.value)
-            if type(t) is QuaxTracer and any(t._trace is outer for outer in self.adopts)
-            else t
-            for t in tracers
-        ]
+        with jc.set_current_trace(self.parent_trace):  # `aval()` may bind primitives
+            return [
+                QuaxTracer(self, t.value)
+                if type(t) is QuaxTracer and any(t._trace is outer for outer in self.adopts)
+                else t
+                for t in tracers
+            ]
 
     # --- dispatch ----------------------------------------------------------------
 
@@ -123,6 +124,9 @@ class QuaxTrace(jc.Trace):
                 out, rule = plan.apply(
                     primitive, tuple(values), params, name_scopes=record is not None
                 )
+                # Wrapped where the rule ran: a Value's `aval()` is user code
+                # and may bind primitives (`lax.stop_gradient`) on its leaves.
+                outputs = self._wrap_outputs(out, primitive, rule)
         finally:
             if record is not None:
                 recorder.close(record)  # pyright: ignore[reportOptionalMemberAccess]
@@ -132,7 +136,6 @@ class QuaxTrace(jc.Trace):
                 record.location = rule_location(rule)
             else:
                 record.default_owner = default_description(primitive, values)
-        outputs = self._wrap_outputs(out, primitive, rule)
         if self.checking:
             self._check(primitive, tracers, params, outputs, rule)
         return outputs
@@ -255,7 +258,7 @@ class QuaxTrace(jc.Trace):
         plan = plan_for(primitive, values)
         with jc.set_current_trace(self.parent_trace):
             out, rule = plan.apply(primitive, tuple(values), params)
-        return jc.map_shard_map_result(out, lambda x: self._wrap_output(x, primitive, rule))
+            return jc.map_shard_map_result(out, lambda x: self._wrap_output(x, primitive, rule))
 
     def stage_value(self, val):
         if self.owns(val):
