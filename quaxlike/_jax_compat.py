@@ -39,6 +39,7 @@ Inventory (what, what for, where it exists, fallback):
 | `linear_util.wrap_init`, `api_util.debug_info` | `WrappedFun`s for old-style `shard_map` bodies | `jax._src` (all) | raises when that path is needed |
 | `Primitive.bind_with_trace` | running an equation in a given trace | `(trace, args, params)` up to 0.8; `(trace, args, avals, params)` from 0.9 | `binder` picks the call by the signature |
 | `custom_jvp_call_p`/`custom_vjp_call_p` param `call_jaxpr` | the eager verdict looks into a custom derivative's primal | a `ClosedJaxpr` in every release tested | `custom_call_primal_jaxpr` returns `None`: such a call is run op by op, as before |
+| JAX's typed Python scalars | plum conversions to `jax.Array` (`_plum_types`) | `jax._src.literals`: `typed_scalar_types` (`TypedInt`, `TypedFloat`, `TypedComplex`) from 0.8; `literal_scalar_types` (`LiteralInt`, ...) in 0.7 | `typed_scalar_types_of` finds either; else none (no conversions registered) |
 | `Tracer.to_concrete_value`, `core.to_concrete_value` | eager concreteness of a QuaxTracer (`concrete_or_error`, `bool`, `.item()`, boolean masks) | every release tested: JAX asks a tracer's `to_concrete_value()` (`None`: not concrete) | `concreteness_reader` calls the method where `core.to_concrete_value` is missing; a JAX that never asks treats every QuaxTracer as abstract, as before |
 
 A shortcut that a probe turns off is reported by `disabled_shortcuts()`.
@@ -138,6 +139,7 @@ _traceback_util = _module("jax._src.traceback_util")
 _shard_map = _module("jax._src.shard_map")
 _ad_checkpoint = _module("jax._src.ad_checkpoint")
 _custom_derivatives = _module("jax._src.custom_derivatives")
+_literals = _module("jax._src.literals")
 _prims = getattr(jex_core, "primitives", None)
 
 
@@ -306,6 +308,22 @@ to_concrete_value = concreteness_reader(_core)
 # `Tracer.__bool__`, ...): the method on the base class, whose default answers
 # `None`. Where it does not, a QuaxTracer stays abstract even eagerly.
 TRACERS_ANSWER_CONCRETENESS = callable(getattr(Tracer, "to_concrete_value", None))
+
+
+def typed_scalar_types_of(literals) -> tuple[type, ...]:
+    """The subclasses of `int`, `float` and `complex` carrying a `dtype` that
+    `bind` turns Python scalars into (`TypedInt`, `TypedFloat`, `TypedComplex`
+    from jax 0.8, listed in `jax._src.literals.typed_scalar_types`;
+    `LiteralInt`, ... in 0.7, in `literal_scalar_types`), by name; `()` where
+    neither list exists."""
+    for name in ("typed_scalar_types", "literal_scalar_types"):
+        found = _first((literals, name))
+        if found:
+            return tuple(sorted(found, key=lambda t: t.__name__))
+    return ()
+
+
+TYPED_SCALAR_TYPES = typed_scalar_types_of(_literals)
 
 
 # --- jaxprs ------------------------------------------------------------------
