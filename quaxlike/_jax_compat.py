@@ -465,6 +465,7 @@ sharding_constraint_p: Any = _first((_pjit, "sharding_constraint_p")) or _stand_
     "sharding_constraint"
 )
 
+
 def custom_call_primal_jaxpr(params) -> Any:
     """The primal function of a `custom_jvp_call` or `custom_vjp_call` equation
     (its `call_jaxpr` param, a `ClosedJaxpr` in every release tested), or
