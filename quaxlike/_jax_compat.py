@@ -38,6 +38,9 @@ Inventory (what, what for, where it exists, fallback):
 | `source_info_util`, `traceback_util` | hiding quaxlike's frames, finding the user's line | `jax._src` (all) | no filtering; the outermost non-library frame |
 | `linear_util.wrap_init`, `api_util.debug_info` | `WrappedFun`s for old-style `shard_map` bodies | `jax._src` (all) | raises when that path is needed |
 | `Primitive.bind_with_trace` | running an equation in a given trace | `(trace, args, params)` up to 0.8; `(trace, args, avals, params)` from 0.9 | `binder` picks the call by the signature |
+| `custom_jvp_call_p`/`custom_vjp_call_p` param `call_jaxpr` | the eager verdict looks into a custom derivative's primal | a `ClosedJaxpr` in every release tested | `custom_call_primal_jaxpr` returns `None`: such a call is run op by op, as before |
+| JAX's typed Python scalars | plum conversions to `jax.Array` (`_plum_types`) | `jax._src.literals`: `typed_scalar_types` (`TypedInt`, `TypedFloat`, `TypedComplex`) from 0.8; `literal_scalar_types` (`LiteralInt`, ...) in 0.7 | `typed_scalar_types_of` finds either; else none (no conversions registered) |
+| `Tracer.to_concrete_value`, `core.to_concrete_value` | eager concreteness of a QuaxTracer (`concrete_or_error`, `bool`, `.item()`, boolean masks) | every release tested: JAX asks a tracer's `to_concrete_value()` (`None`: not concrete) | `concreteness_reader` calls the method where `core.to_concrete_value` is missing; a JAX that never asks treats every QuaxTracer as abstract, as before |
 
 A shortcut that a probe turns off is reported by `disabled_shortcuts()`.
 """
@@ -136,6 +139,7 @@ _traceback_util = _module("jax._src.traceback_util")
 _shard_map = _module("jax._src.shard_map")
 _ad_checkpoint = _module("jax._src.ad_checkpoint")
 _custom_derivatives = _module("jax._src.custom_derivatives")
+_literals = _module("jax._src.literals")
 _prims = getattr(jex_core, "primitives", None)
 
 
@@ -278,6 +282,52 @@ def check_no_leaks(traces) -> None:
             raise Exception(f"Leaked trace {trace}. Leaked tracer(s): {leaked}")
 
 
+# --- concreteness ------------------------------------------------------------
+
+
+def concreteness_reader(core) -> Callable[[Any], Any]:
+    """`to_concrete_value(x)`: the concrete value JAX knows for `x`, or `None`
+    (a tracer with no known value). `core.to_concrete_value` in every release
+    tested; else asked of a tracer directly, as JAX's tracers answer it
+    (`Tracer.to_concrete_value()`), and `x` itself for anything else."""
+    found = _first((core, "to_concrete_value"))
+    if found is not None:
+        return found
+
+    def ask(x):
+        if isinstance(x, Tracer):
+            method = getattr(x, "to_concrete_value", None)
+            return method() if method is not None else None
+        return x
+
+    return ask
+
+
+to_concrete_value = concreteness_reader(_core)
+# Whether JAX asks a tracer for its concrete value (`concrete_or_error`,
+# `Tracer.__bool__`, ...): the method on the base class, whose default answers
+# `None`. Where it does not, a QuaxTracer stays abstract even eagerly.
+TRACERS_ANSWER_CONCRETENESS = callable(getattr(Tracer, "to_concrete_value", None))
+if not TRACERS_ANSWER_CONCRETENESS:
+    _disabled.append("eager concreteness (JAX never asks a tracer for its value)")
+
+
+def typed_scalar_types_of(literals) -> tuple[type, ...]:
+    """The subclasses of `int`, `float` and `complex` carrying a `dtype` that
+    `bind` turns Python scalars into (`TypedInt`, `TypedFloat`, `TypedComplex`
+    from jax 0.8, listed in `jax._src.literals.typed_scalar_types`;
+    `LiteralInt`, ... in 0.7, in `literal_scalar_types`), by name; `()` where
+    neither list exists."""
+    for name in ("typed_scalar_types", "literal_scalar_types"):
+        found = _first((literals, name))
+        if found:
+            return tuple(sorted(found, key=lambda t: t.__name__))
+    return ()
+
+
+TYPED_SCALAR_TYPES = typed_scalar_types_of(_literals)
+
+
 # --- jaxprs ------------------------------------------------------------------
 
 if TYPE_CHECKING:
@@ -416,6 +466,16 @@ pvary_p: Any = _first((_core, "pvary_p")) or _stand_in_primitive("pvary")
 sharding_constraint_p: Any = _first((_pjit, "sharding_constraint_p")) or _stand_in_primitive(
     "sharding_constraint"
 )
+
+
+def custom_call_primal_jaxpr(params) -> Any:
+    """The primal function of a `custom_jvp_call` or `custom_vjp_call` equation
+    (its `call_jaxpr` param, a `ClosedJaxpr` in every release tested), or
+    `None` where the params hold none (the trace hooks' params, or a release
+    that names it otherwise)."""
+    jaxpr = params.get("call_jaxpr")
+    return jaxpr if ClosedJaxpr is not None and isinstance(jaxpr, ClosedJaxpr) else None
+
 
 _Inline = _first((jax, "Inline"), (_api, "Inline"))
 _INLINE_EARLY = getattr(_Inline, "JAX_EARLY", None)

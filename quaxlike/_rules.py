@@ -24,7 +24,7 @@ from typing import Any, cast, TypeVar
 import jax
 import plum
 
-from . import _instrument, _jax_compat as jc
+from . import _instrument, _jax_compat as jc, _plum_types  # noqa: F401 (conversions)
 from ._diagnostics import (
     AmbiguousRuleError,
     ConflictingDefaultsError,

@@ -18,8 +18,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from . import _instrument, _jax_compat as jc, _sub_programs
+from . import _concrete, _instrument, _jax_compat as jc, _sub_programs
 from ._diagnostics import messages, QuaxlikeError, rule_location, rule_name
 from ._rules import default_description, dispatch_kind, Plan, plan_for
 from ._values import checked_aval, is_value, Value
@@ -38,6 +39,19 @@ class QuaxTracer(jc.Tracer):
 
     def full_lower(self):
         return self
+
+    def to_concrete_value(self):
+        # JAX's concreteness question (`concrete_or_error`, `bool(x)`, `x.item()`):
+        # answered with the array the Value stands for where it is known.
+        return _concrete.concrete_value(self._trace.parent_trace, self.value, self.aval)
+
+    def __array__(self, *args, **kwargs):  # pyright: ignore[reportIncompatibleMethodOverride]
+        # NumPy's conversion (`x[mask]` takes `np.where(np.asarray(mask))` once
+        # JAX has found the mask concrete): the concrete array's, else JAX's error.
+        concrete = self.to_concrete_value()
+        if concrete is None:
+            return super().__array__(*args, **kwargs)
+        return np.asarray(concrete).__array__(*args, **kwargs)
 
     def __repr__(self):
         return f"QuaxTracer<{type(self.value).__qualname__}: {self.aval.str_short()}>"
@@ -90,12 +104,13 @@ class QuaxTrace(jc.Trace):
         return None
 
     def _adopt(self, tracers):
-        return [
-            QuaxTracer(self, t.value)
-            if type(t) is QuaxTracer and any(t._trace is outer for outer in self.adopts)
-            else t
-            for t in tracers
-        ]
+        with jc.set_current_trace(self.parent_trace):  # `aval()` may bind primitives
+            return [
+                QuaxTracer(self, t.value)
+                if type(t) is QuaxTracer and any(t._trace is outer for outer in self.adopts)
+                else t
+                for t in tracers
+            ]
 
     # --- dispatch ----------------------------------------------------------------
 
@@ -109,6 +124,9 @@ class QuaxTrace(jc.Trace):
                 out, rule = plan.apply(
                     primitive, tuple(values), params, name_scopes=record is not None
                 )
+                # Wrapped where the rule ran: a Value's `aval()` is user code
+                # and may bind primitives (`lax.stop_gradient`) on its leaves.
+                outputs = self._wrap_outputs(out, primitive, rule)
         finally:
             if record is not None:
                 recorder.close(record)  # pyright: ignore[reportOptionalMemberAccess]
@@ -118,7 +136,6 @@ class QuaxTrace(jc.Trace):
                 record.location = rule_location(rule)
             else:
                 record.default_owner = default_description(primitive, values)
-        outputs = self._wrap_outputs(out, primitive, rule)
         if self.checking:
             self._check(primitive, tracers, params, outputs, rule)
         return outputs
@@ -241,7 +258,7 @@ class QuaxTrace(jc.Trace):
         plan = plan_for(primitive, values)
         with jc.set_current_trace(self.parent_trace):
             out, rule = plan.apply(primitive, tuple(values), params)
-        return jc.map_shard_map_result(out, lambda x: self._wrap_output(x, primitive, rule))
+            return jc.map_shard_map_result(out, lambda x: self._wrap_output(x, primitive, rule))
 
     def stage_value(self, val):
         if self.owns(val):
