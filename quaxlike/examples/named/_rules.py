@@ -11,6 +11,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike
 
 import quaxlike
+from quaxlike.internal import TRANSCENDENTAL_PRIMITIVES
 
 from ._value import AxisName, NamedArray, NamedAxisError, NamedContractionError
 
@@ -129,17 +130,13 @@ def align_operands(primitive, args, *, allow_transpose: bool = True):
 # --- elementwise -------------------------------------------------------------
 
 _UNARY = [
-    lax.abs_p, lax.acos_p, lax.acosh_p, lax.asin_p, lax.asinh_p, lax.atan_p,
-    lax.atanh_p, lax.bessel_i0e_p, lax.bessel_i1e_p, lax.cbrt_p, lax.ceil_p,
-    lax.clz_p, lax.conj_p, lax.convert_element_type_p, lax.copy_p, lax.cos_p,
-    lax.cosh_p, lax.cumlogsumexp_p, lax.cummax_p, lax.cummin_p, lax.cumprod_p,
-    lax.cumsum_p, lax.digamma_p, lax.erf_inv_p, lax.erf_p, lax.erfc_p, lax.exp2_p,
-    lax.exp_p, lax.expm1_p, lax.floor_p, lax.imag_p, lax.integer_pow_p,
-    lax.is_finite_p, lax.lgamma_p, lax.log1p_p, lax.log_p, lax.logistic_p,
-    lax.neg_p, lax.not_p, lax.population_count_p, lax.real_p,
-    lax.reduce_precision_p, lax.rev_p, lax.round_p, lax.rsqrt_p, lax.sign_p,
-    lax.sin_p, lax.sinh_p, lax.slice_p, lax.sqrt_p, lax.square_p,
-    lax.stop_gradient_p, lax.tan_p, lax.tanh_p,
+    *TRANSCENDENTAL_PRIMITIVES,
+    lax.abs_p, lax.bessel_i0e_p, lax.bessel_i1e_p, lax.cbrt_p, lax.ceil_p, lax.clz_p,
+    lax.conj_p, lax.convert_element_type_p, lax.copy_p, lax.cumlogsumexp_p,
+    lax.cummax_p, lax.cummin_p, lax.cumprod_p, lax.cumsum_p, lax.floor_p, lax.imag_p,
+    lax.integer_pow_p, lax.is_finite_p, lax.neg_p, lax.not_p, lax.population_count_p,
+    lax.real_p, lax.reduce_precision_p, lax.rev_p, lax.round_p, lax.rsqrt_p, lax.sign_p,
+    lax.slice_p, lax.sqrt_p, lax.square_p, lax.stop_gradient_p,
 ]  # fmt: skip
 
 _NARY = [
