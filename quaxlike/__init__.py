@@ -5,10 +5,13 @@ import importlib.metadata
 from . import _higher_order  # noqa: F401  (registers the higher-order rules)
 from ._diagnostics import (
     AmbiguousRuleError as AmbiguousRuleError,
+    CarryChangedError as CarryChangedError,
+    CarryMaterialisationError as CarryMaterialisationError,
     ConflictingDefaultsError as ConflictingDefaultsError,
     JaxCompatibilityError as JaxCompatibilityError,
     MaterialisationError as MaterialisationError,
     QuaxlikeError as QuaxlikeError,
+    ValueNotLiftedError as ValueNotLiftedError,
 )
 from ._explain import explain as explain, Report as Report
 from ._operators import ArrayOperators as ArrayOperators

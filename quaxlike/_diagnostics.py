@@ -16,10 +16,10 @@ from typing import Any
 class QuaxlikeError(Exception):
     """Base class of the errors quaxlike raises about how it is used.
 
-    Raised directly for mistakes such as a Value no `quaxify` lifted, a rule
-    that returned a list for a primitive with one result, or a rule that returned
-    the wrong abstract value in checked mode; `AmbiguousRuleError` and
-    `MaterialisationError` are subclasses. Each message names the type, primitive
+    Raised directly for mistakes such as a rule that returned a list for a
+    primitive with one result, or a rule that returned the wrong abstract value
+    in checked mode; the classes below are subclasses, each also an instance of
+    the builtin exception Quax raises for the same mistake. Each message names the type, primitive
     and value involved, and the way out.
 
     !!! example
@@ -117,6 +117,88 @@ class ConflictingDefaultsError(QuaxlikeError, TypeError):
             print(error)  # names Left and Right, and the ways out
         else:
             raise AssertionError("two different defaults should conflict")
+        ```
+    """
+
+
+class ValueNotLiftedError(QuaxlikeError, TypeError):
+    """A Value reached a JAX operation without any `quaxify` having lifted it:
+    it is not inside a quaxified function, or the `filter_spec` of the enclosing
+    `quaxify` left it out.
+
+    JAX (or Python, for an operator such as `+`) raises a `TypeError` for such
+    an object, which Quax passes on; quaxlike raises this instead, also a
+    `TypeError`, naming the operation, the type and its position, and the ways
+    out.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.zero import Zero
+
+        zero = Zero((3,), jnp.float32)
+        only_second = (False, (False, True), False)
+        try:
+            quaxlike.quaxify(jax.lax.mul, filter_spec=only_second)(zero, jnp.ones(3))
+        except TypeError as error:  # a quaxlike.ValueNotLiftedError
+            print(error)  # ... received a Zero ... that no `quaxify` has lifted ...
+        ```
+    """
+
+
+class CarryChangedError(QuaxlikeError, TypeError):
+    """A loop body (`while_loop`, `fori_loop`, `scan`) returned a carry whose type
+    or static metadata differs from the carry it received, and quaxlike could not
+    reconcile the two.
+
+    A Value's static fields (a unit, axis names) are part of its PyTree
+    structure, so a body that changes them changes the carry's structure, which
+    JAX does not allow. quaxlike first materialises the carries that changed and
+    retraces; this error is raised when that is not enough. Also a `TypeError`,
+    as Quax raises for a carry that changed structure (and as JAX raises for
+    plain arrays whose type changes in a loop); the message says "carry changed
+    structure", names the loop primitive, the position of the carry and both
+    types.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import m, Unitful
+
+        def squares(x):
+            return jax.lax.fori_loop(0, 3, lambda i, c: c * c, x)
+
+        try:
+            quaxlike.quaxify(squares)(Unitful(jnp.ones(2), m))
+        except TypeError as error:  # a quaxlike.CarryChangedError
+            print(error)  # ... a loop carry changed structure: carry 0 ... m ... m^2 ...
+        else:
+            raise AssertionError("a carry whose unit changes should be refused")
+        ```
+    """
+
+
+class CarryMaterialisationError(CarryChangedError, MaterialisationError):
+    """A loop carry changed structure in the body, and the Value could not be
+    materialised to reconcile it: its `materialise()` refused (as a dimensioned
+    `Unitful` does), or `materialise_policy("error")` forbade it.
+
+    Both a `CarryChangedError` (so a `TypeError`, as in Quax) and a
+    `MaterialisationError`; the message quotes the type's own refusal (or the
+    policy's).
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import m, Unitful
+
+        def squares(x):
+            return jax.lax.scan(lambda c, _: (c * c, None), x, length=2)[0]
+
+        try:
+            quaxlike.quaxify(squares)(Unitful(jnp.ones(2), m))
+        except quaxlike.CarryMaterialisationError as error:
+            print(error)  # ... `scan`, a loop carry changed structure ... silently drop its unit
         ```
     """
 
@@ -290,11 +372,22 @@ class messages:
         "widen the `filter_spec` to include this {type_name}."
     )
     CARRY_TYPE_CHANGED = (
-        "In `{primitive}`, loop carry {index} enters as {before} but the loop body "
-        "returns {after}. quaxlike materialised it to a dense array and retraced, but "
-        "the types still disagree. Make the body return the same type it receives, "
-        "for example by materialising the carry before the loop "
+        "In `{primitive}`, a loop carry changed structure: carry {index} enters as {before} "
+        "but the loop body returns {after}. quaxlike materialised it to a dense array "
+        "and retraced, but the types still disagree. Make the body return the same "
+        "type it receives, for example by materialising the carry before the loop "
         "(`carry.materialise()`), or register a `{primitive}` rule for your type."
+    )
+    CARRY_REFUSED = (
+        "In `{primitive}`, a loop carry changed structure: carry {index} enters as {before} "
+        "but the loop body returns {after} (another type, or the same type with other "
+        "static fields, such as a unit). A loop carry must keep its type, so quaxlike "
+        "materialises such a carry to a plain array before the loop, and materialising "
+        "the {type_name} failed: {error}\n"
+        "Ways out: make the body return the carry with the type and static fields it "
+        "receives (a quantity whose unit changes each iteration cannot be a carry); "
+        "materialise it yourself before the loop if dropping its structure is what "
+        "you want; or register a `{primitive}` rule for {type_name}."
     )
     MATERIALISED_WARNING = (
         "quaxlike materialised a {type_name} for primitive `{primitive}` (no rule "

@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from . import _instrument, _jax_compat as jc
-from ._diagnostics import messages, QuaxlikeError
+from ._diagnostics import messages, QuaxlikeError, ValueNotLiftedError
 from ._trace import QuaxTrace
 from ._values import is_value, Value
 
@@ -47,7 +47,7 @@ _PYTHON_OPERATOR_ERROR = re.compile(
 )
 
 
-def _unlifted_value_error(error: TypeError) -> QuaxlikeError | None:
+def _unlifted_value_error(error: TypeError) -> ValueNotLiftedError | None:
     """JAX's error for a Value that reached a primitive without being lifted (or
     Python's, for an operator between an array and such a Value), rewritten to
     say why that happens and what to do."""
@@ -57,7 +57,7 @@ def _unlifted_value_error(error: TypeError) -> QuaxlikeError | None:
         symbol, left, right = operator.groups()
         for position, name in enumerate((left, right)):
             if name.rsplit(".", 1)[-1] in known:
-                return QuaxlikeError(
+                return ValueNotLiftedError(
                     messages.VALUE_NOT_LIFTED.format(
                         primitive=f"operator {symbol}",
                         type_name=name.rsplit(".", 1)[-1],
@@ -76,7 +76,7 @@ def _unlifted_value_error(error: TypeError) -> QuaxlikeError | None:
     type_name = qualified_name.rsplit(".", 1)[-1]
     if type_name not in known:
         return None
-    return QuaxlikeError(
+    return ValueNotLiftedError(
         messages.VALUE_NOT_LIFTED.format(
             primitive=primitive, type_name=type_name, position=position
         )

@@ -69,6 +69,24 @@ def test_value_not_selected_by_filter_spec():
         quaxlike.quaxify(lambda a, b: lax.mul(a, b), filter_spec=only_second)(zero, jnp.ones(3))
 
 
+@pytest.mark.parametrize(
+    "fn",
+    [lambda a, b: lax.mul(a, b), lambda a, b: a * b, lambda a, b: b * a],
+    ids=["primitive", "operator", "reflected-operator"],
+)
+def test_value_not_lifted_is_a_type_error_as_jax_raises(fn):
+    # Outside any `quaxify`, JAX (or Python, for an operator) raises a TypeError
+    # for the Value, and Quax passes it on: quaxlike's rewritten error is one too.
+    zero = Zero((3,), jnp.float32)
+    with pytest.raises(TypeError):
+        fn(zero, jnp.ones(3))
+    only_second = (False, (False, True), False)
+    with pytest.raises(quaxlike.ValueNotLiftedError, match="no `quaxify` has lifted") as info:
+        quaxlike.quaxify(fn, filter_spec=only_second)(zero, jnp.ones(3))
+    assert isinstance(info.value, TypeError) and isinstance(info.value, quaxlike.QuaxlikeError)
+    assert "Zero" in str(info.value)
+
+
 def test_rule_returning_non_array():
     class Odd(quaxlike.ArrayValue):
         x: jax.Array

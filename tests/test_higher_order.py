@@ -284,6 +284,76 @@ def test_while_loop_zero_carry_stays_zero(getseed):
     assert isinstance(out, Zero) and out.shape == (3,)
 
 
+class Tagged(quaxlike.ArrayValue):
+    """An array with a static tag that every product increments, and that refuses
+    to materialise (as a quantity whose unit would be lost does)."""
+
+    array: jax.Array
+    tag: int = eqx.field(static=True)
+
+    def aval(self):
+        return jax.typeof(self.array)
+
+    def materialise(self):
+        raise RuntimeError("a Tagged array refuses to lose its tag")
+
+
+@quaxlike.register(lax.mul_p)
+def mul_p_tagged(x: Tagged, y: Tagged, **params) -> Tagged:
+    return Tagged(lax.mul_p.bind(x.array, y.array, **params), max(x.tag, y.tag) + 1)
+
+
+@quaxlike.register(lax.add_p)
+def add_p_tagged(x: Tagged, y: Tagged, **params) -> Tagged:
+    return Tagged(lax.add_p.bind(x.array, y.array, **params), max(x.tag, y.tag))
+
+
+def _while_loop(body):
+    return lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, body(c[1])), (0, x))[1]
+
+
+def _fori_loop(body):
+    return lambda x: lax.fori_loop(0, 3, lambda i, c: body(c), x)
+
+
+def _scan(body):
+    return lambda x: lax.scan(lambda c, _: (body(c), None), x, length=2)[0]
+
+
+_LOOPS = [_while_loop, _fori_loop, _scan]
+
+
+@pytest.mark.parametrize("loop", _LOOPS, ids=["while", "fori", "scan"])
+def test_carry_whose_static_field_changes_is_a_type_error_as_in_quax(loop, getseed):
+    # The tag is part of the PyTree structure: squaring changes the carry's
+    # structure every iteration, which a loop cannot carry. The carry refuses to
+    # be materialised, so the error is a MaterialisationError and, as Quax raises
+    # for a carry that changed structure, a TypeError, saying so in Quax's words.
+    x = Tagged(randn(getseed(), (3,)), 0)
+    f = loop(lambda c: c * c)
+    for run in (quaxlike.quaxify(f), jax.jit(quaxlike.quaxify(f))):
+        with pytest.raises(TypeError, match="carry changed structure") as info:
+            run(x)
+        error = info.value
+        assert isinstance(error, quaxlike.CarryMaterialisationError)
+        assert isinstance(error, quaxlike.CarryChangedError)
+        assert isinstance(error, quaxlike.MaterialisationError)
+        message = str(error)
+        assert "enters as Tagged[float32[3]] (tag=0)" in message
+        assert "returns Tagged[float32[3]] (tag=1)" in message
+        assert "refuses to lose its tag" in message
+
+
+@pytest.mark.parametrize("loop", _LOOPS, ids=["while", "fori", "scan"])
+def test_carry_whose_static_field_stays_runs(loop, getseed):
+    x = Tagged(randn(getseed(), (3,)), 0)
+    f = loop(lambda c: c + c)
+    for run in (quaxlike.quaxify(f), jax.jit(quaxlike.quaxify(f))):
+        out = run(x)
+        assert isinstance(out, Tagged) and out.tag == 0
+        assert tree_allclose(out.array, loop(lambda c: c + c)(x.array), rtol=1e-6)
+
+
 @pytest.mark.parametrize("traced", [False, True])
 def test_fori_loop_lora(getseed, traced):
     lora = make_lora(getseed(), (3, 3))

@@ -1,6 +1,7 @@
 """`while` (`lax.while_loop`, `fori_loop` with traced bounds) and `scan`
 (`lax.scan`, `fori_loop` with static bounds, `lax.map`)."""
 
+import dataclasses
 import functools as ft
 from typing import cast
 
@@ -10,7 +11,13 @@ import jax.tree_util as jtu
 from jax import lax
 
 from .. import _jax_compat as jc
-from .._diagnostics import MaterialisationError, messages, QuaxlikeError
+from .._diagnostics import (
+    CarryChangedError,
+    CarryMaterialisationError,
+    MaterialisationError,
+    messages,
+    QuaxlikeError,
+)
 from .._quaxify import lifted_call
 from .._rules import register
 from .._values import checked_aval, describe, Value
@@ -18,17 +25,21 @@ from ._common import AnyValue, to_dense, type_signature
 
 
 def _run_with_carry_fallback(primitive, init, run):
-    """Call `run(dense)` where `dense` is the set of carry positions to materialise.
+    """Call `run(dense, record)`, where `dense` maps the carry positions to
+    materialise to how they changed: (the carry's type on entry, as the body
+    returns it).
 
     A loop body may change the type of a carry (a symbolic zero becoming dense).
     `run` records the signature of the carry the body returns; if JAX rejects the
     loop, the positions that changed are materialised and the loop retraced.
     """
-    dense: set[int] = set()
+    dense: dict[int, tuple[str, str]] = {}
     for _ in range(len(init) + 1):
         record: dict = {}
         try:
             return run(dense, record)
+        except QuaxlikeError:
+            raise  # ours, from inside the body: not JAX rejecting the carry
         except (TypeError, ValueError):
             out_types = record.get("carry_out")
             if out_types is None:
@@ -37,27 +48,72 @@ def _run_with_carry_fallback(primitive, init, run):
             changed = {i for i, (a, b) in enumerate(zip(in_types, out_types)) if a != b}
             if not changed:
                 raise
-            if changed <= dense:
+            if changed <= dense.keys():
                 i = min(changed)
-                raise QuaxlikeError(
+                before, after = _change(record, i)
+                raise CarryChangedError(
                     messages.CARRY_TYPE_CHANGED.format(
-                        primitive=primitive.name,
-                        index=i,
-                        before=record["carry_in_text"][i],
-                        after=record["carry_out_text"][i],
+                        primitive=primitive.name, index=i, before=before, after=after
                     )
                 ) from None
-            dense |= changed
+            for i in changed - dense.keys():
+                dense[i] = _change(record, i)
     raise AssertionError("unreachable")
 
 
-def _densify(values, dense, primitive):
-    return [to_dense(v, primitive) if i in dense else v for i, v in enumerate(values)]
+def _change(record: dict, i: int) -> tuple[str, str]:
+    """How carry `i` changed: its descriptions on entry and as the body returns it,
+    or its PyTree structures where only static fields (a unit) differ."""
+    before, after = record["carry_in_text"][i], record["carry_out_text"][i]
+    if before == after:
+        before, after = str(record["carry_in"][i][0]), str(record["carry_out"][i][0])
+    return before, after
+
+
+def _densify(values, dense: dict[int, tuple[str, str]], primitive):
+    """`values` with the carries at the positions in `dense` materialised; a
+    carry that refuses gives a `CarryMaterialisationError` saying how it changed."""
+    out = []
+    for i, v in enumerate(values):
+        if i not in dense:
+            out.append(v)
+            continue
+        try:
+            out.append(to_dense(v, primitive))
+        except MaterialisationError as error:
+            refusal = error.__cause__ if error.__cause__ is not None else error
+            before, after = dense[i]
+            raise CarryMaterialisationError(
+                messages.CARRY_REFUSED.format(
+                    primitive=primitive.name,
+                    index=i,
+                    before=before,
+                    after=after,
+                    type_name=type(v).__name__,
+                    error=f"{type(refusal).__name__}: {refusal}",
+                )
+            ) from error
+    return out
 
 
 def _record(record, key, values):
     record[key] = [type_signature(v) for v in values]
-    record[key + "_text"] = [describe(v) for v in values]
+    record[key + "_text"] = [_described(v) for v in values]
+
+
+def _described(value) -> str:
+    """`describe(value)`, with the static fields of a Value (its unit, its axis
+    names), which a carry must keep too."""
+    text = describe(value)
+    if isinstance(value, Value) and dataclasses.is_dataclass(value):
+        static = [
+            f"{field.name}={getattr(value, field.name, '?')}"
+            for field in dataclasses.fields(value)
+            if field.metadata.get("static")
+        ]
+        if static:
+            text += f" ({', '.join(static)})"
+    return text
 
 
 def _keep_where_false(predicate, new, old):

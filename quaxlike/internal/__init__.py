@@ -14,3 +14,4 @@ from ._labels import (
     contract_labelled as contract_labelled,
     dot_general_labels as dot_general_labels,
 )
+from ._primitives import TRANSCENDENTAL_PRIMITIVES as TRANSCENDENTAL_PRIMITIVES

@@ -259,6 +259,57 @@ def test_dot_general_mismatch_raises(getseed):
         quaxlike.quaxify(lambda q, k: jnp.einsum("bqf,bkf->bqk", q, k))(q, k)
 
 
+def _bind_dot_general(dimension_numbers):
+    """A function binding `dot_general_p` directly with `dimension_numbers`,
+    which `lax.dot_general` would reject before any rule saw them (the other
+    params are those JAX gives a valid product)."""
+    square = jnp.ones((3, 3))
+    jaxpr = jax.make_jaxpr(lambda a, b: a @ b)(square, square)
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive is lax.dot_general_p]
+    params = {**eqn.params, "dimension_numbers": dimension_numbers}
+    return lambda a, b: lax.dot_general_p.bind(a, b, **params)
+
+
+def test_dot_general_unpaired_axes_is_a_value_error(getseed):
+    # Two contracted axes on the left against one on the right: Quax's rule
+    # raises a ValueError (JAX's own check, without names, a TypeError).
+    x, y = make(getseed(), ("a", "b"), (3, 3)), make(getseed(), ("a", "b"), (3, 3))
+    f = _bind_dot_general((((0, 1), (0,)), ((), ())))
+    with pytest.raises(TypeError):
+        f(plain(x), plain(y))
+    with pytest.raises(ValueError, match=r"pair \(0, 1\) of the left operand with \(0,\)"):
+        quaxlike.quaxify(f)(x, y)
+
+
+def test_dot_general_axis_out_of_range_is_jax_type_error(getseed):
+    # No name to check at axis 5 of a matrix: JAX's own TypeError, as in Quax
+    # (and as for the plain arrays), not an IndexError from reading the names.
+    x, y = make(getseed(), ("a", "b"), (3, 3)), make(getseed(), ("a", "b"), (3, 3))
+    f = _bind_dot_general((((5,), (0,)), ((), ())))
+    with pytest.raises(TypeError) as plain_error:
+        f(plain(x), plain(y))
+    with pytest.raises(TypeError) as error:
+        quaxlike.quaxify(f)(x, y)
+    assert str(error.value) == str(plain_error.value)
+
+
+def test_full_contraction_of_two_named_arrays_is_named(getseed):
+    # As in Quax: contracting every axis of two NamedArrays gives a NamedArray
+    # with no axes (not a plain scalar); with a plain operand, a plain scalar.
+    x, y = make(getseed(), ("a", "b"), (3, 4)), make(getseed(), ("a", "b"), (3, 4))
+    full = lambda a, b: jnp.tensordot(a, b, axes=([0, 1], [0, 1]))  # noqa: E731
+    for run in (quaxlike.quaxify(full), jax.jit(quaxlike.quaxify(full))):
+        out = run(x, y)
+        assert isinstance(out, NamedArray) and out.axes == ()
+        assert tree_allclose(out.array, full(plain(x), plain(y)), rtol=RTOL, atol=ATOL)
+    v = make(getseed(), ("a",), (3,))
+    out = quaxlike.quaxify(lambda a, b: a @ b)(v, v)
+    assert isinstance(out, NamedArray) and out.axes == ()
+    out = quaxlike.quaxify(lambda a, b: a @ b)(v, plain(v))
+    assert not isinstance(out, NamedArray)
+    assert tree_allclose(out, plain(v) @ plain(v), rtol=RTOL, atol=ATOL)
+
+
 # --- helpers by name ---------------------------------------------------------
 
 

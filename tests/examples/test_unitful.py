@@ -507,6 +507,52 @@ def test_scan_carry_changing_unit_is_refused(getseed):
         jax.jit(quaxlike.quaxify(f))(x)
 
 
+def _squares_in_while(x):
+    return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * c[1]), (0, x))[1]
+
+
+def _squares_in_fori(x):
+    return lax.fori_loop(0, 3, lambda i, c: c * c, x)
+
+
+def _squares_in_scan(x):
+    return lax.scan(lambda c, _: (c * c, None), x, length=2)[0]
+
+
+@pytest.mark.parametrize(
+    "fn", [_squares_in_while, _squares_in_fori, _squares_in_scan], ids=["while", "fori", "scan"]
+)
+def test_loop_carry_changing_unit_is_the_type_error_quax_raises(fn, getseed):
+    # Quax raises a TypeError saying the carry changed structure, eagerly and
+    # under jit; so does quaxlike, with a MaterialisationError that says why the
+    # quantity could not be carried as plain numbers either.
+    x = q(getseed(), (2,), m)
+    for run in (quaxlike.quaxify(fn), jax.jit(quaxlike.quaxify(fn))):
+        with pytest.raises(TypeError, match="carry changed structure") as info:
+            run(x)
+        assert isinstance(info.value, quaxlike.MaterialisationError)
+        assert "(unit=m)" in str(info.value) and "(unit=m^2)" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [
+        lambda body: (
+            lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, body(c[1])), (0, x))[
+                1
+            ]
+        ),
+        lambda body: lambda x: lax.fori_loop(0, 3, lambda i, c: body(c), x),
+        lambda body: lambda x: lax.scan(lambda c, _: (body(c), None), x, length=2)[0],
+    ],
+    ids=["while", "fori", "scan"],
+)
+def test_loop_carry_keeping_its_unit_runs(loop, getseed):
+    x = q(getseed(), (2,), m)
+    out, expected = both(loop(lambda c: c + c), x)
+    assert out.unit == m and tree_allclose(out.array, expected)
+
+
 def test_cond_and_while(getseed):
     x, limit = q(getseed(), (), m), Unitful(arr(5.0), m)
     step = Unitful(arr(0.7), m)

@@ -30,7 +30,7 @@ from jax import lax
 from jaxtyping import ArrayLike
 
 import quaxlike
-from quaxlike.internal import output_aval, ShapedArray
+from quaxlike.internal import output_aval, ShapedArray, TRANSCENDENTAL_PRIMITIVES
 
 from ._scalars import static_bind
 from ._value import _default_dtype, Constant
@@ -251,29 +251,7 @@ _UNARY = [
     lax.ceil_p,
     lax.round_p,
     lax.is_finite_p,
-    lax.exp_p,
-    lax.exp2_p,
-    lax.log_p,
-    lax.expm1_p,
-    lax.log1p_p,
-    lax.tanh_p,
-    lax.logistic_p,
-    lax.sin_p,
-    lax.cos_p,
-    lax.tan_p,
-    lax.asin_p,
-    lax.acos_p,
-    lax.atan_p,
-    lax.sinh_p,
-    lax.cosh_p,
-    lax.asinh_p,
-    lax.acosh_p,
-    lax.atanh_p,
-    lax.lgamma_p,
-    lax.digamma_p,
-    lax.erf_p,
-    lax.erfc_p,
-    lax.erf_inv_p,
+    *TRANSCENDENTAL_PRIMITIVES,
     lax.real_p,
     lax.imag_p,
     lax.conj_p,

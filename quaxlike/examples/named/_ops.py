@@ -176,7 +176,10 @@ def dot(
             )
     k = len(contract)
     dimension_numbers = ((left[:k], right[:k]), (left[k:], right[k:]))
-    return quaxlike.quaxify(lambda a, b: lax.dot_general(a, b, dimension_numbers))(x, y)
+    out = quaxlike.quaxify(lambda a, b: lax.dot_general(a, b, dimension_numbers))(x, y)
+    # A full contraction inside `quaxify` is a NamedArray with no axes (as in
+    # Quax); `dot` returns a plain array when no named axis remains, as `sum` does.
+    return out.array if isinstance(out, NamedArray) and not out.axes else out
 
 
 def trace(

@@ -2,8 +2,10 @@
 
 A plain array operand counts as having no names (all `None`). Each rule works
 out the result's names statically, binds the primitive on the plain arrays, and
-wraps the result again; a result with no names left comes back as a plain array.
-A result allows materialisation only if every `NamedArray` operand did.
+wraps the result again; a result with no names left comes back as a plain array,
+except a full contraction of two NamedArrays, which is a NamedArray with no axes
+(as in Quax). A result allows materialisation only if every `NamedArray` operand
+did.
 """
 
 import jax.extend.core as jex_core
@@ -11,6 +13,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike
 
 import quaxlike
+from quaxlike.internal import TRANSCENDENTAL_PRIMITIVES
 
 from ._value import AxisName, NamedArray, NamedAxisError, NamedContractionError
 
@@ -33,6 +36,13 @@ _CONTRACT_MSG = (
     "rename one (`rename(w, {{{right_name!r}: {left_name!r}}})`). If you meant to "
     "contract the axes called {left_name!r}, use `dot(x, w, {left_name!r})` outside "
     "quaxify, or move that axis to where it is contracted{align_hint}."
+)
+_PAIRING_MSG = (
+    "`dot_general` pairs the contracted and the batch axes of its operands one to "
+    "one, but its dimension_numbers {dimension_numbers} pair {lc} of the left "
+    "operand with {rc} of the right (contracted), and {lb} with {rb} (batch). Give "
+    "both operands the same number of axes of each kind (`lax.dot_general` checks "
+    "this; binding `dot_general_p` directly does not)."
 )
 _DUPLICATE_RESULT_MSG = (
     "`{primitive}`: the result would have two axes named {name!r} (its axes would be "
@@ -129,17 +139,13 @@ def align_operands(primitive, args, *, allow_transpose: bool = True):
 # --- elementwise -------------------------------------------------------------
 
 _UNARY = [
-    lax.abs_p, lax.acos_p, lax.acosh_p, lax.asin_p, lax.asinh_p, lax.atan_p,
-    lax.atanh_p, lax.bessel_i0e_p, lax.bessel_i1e_p, lax.cbrt_p, lax.ceil_p,
-    lax.clz_p, lax.conj_p, lax.convert_element_type_p, lax.copy_p, lax.cos_p,
-    lax.cosh_p, lax.cumlogsumexp_p, lax.cummax_p, lax.cummin_p, lax.cumprod_p,
-    lax.cumsum_p, lax.digamma_p, lax.erf_inv_p, lax.erf_p, lax.erfc_p, lax.exp2_p,
-    lax.exp_p, lax.expm1_p, lax.floor_p, lax.imag_p, lax.integer_pow_p,
-    lax.is_finite_p, lax.lgamma_p, lax.log1p_p, lax.log_p, lax.logistic_p,
-    lax.neg_p, lax.not_p, lax.population_count_p, lax.real_p,
-    lax.reduce_precision_p, lax.rev_p, lax.round_p, lax.rsqrt_p, lax.sign_p,
-    lax.sin_p, lax.sinh_p, lax.slice_p, lax.sqrt_p, lax.square_p,
-    lax.stop_gradient_p, lax.tan_p, lax.tanh_p,
+    *TRANSCENDENTAL_PRIMITIVES,
+    lax.abs_p, lax.bessel_i0e_p, lax.bessel_i1e_p, lax.cbrt_p, lax.ceil_p, lax.clz_p,
+    lax.conj_p, lax.convert_element_type_p, lax.copy_p, lax.cumlogsumexp_p,
+    lax.cummax_p, lax.cummin_p, lax.cumprod_p, lax.cumsum_p, lax.floor_p, lax.imag_p,
+    lax.integer_pow_p, lax.is_finite_p, lax.neg_p, lax.not_p, lax.population_count_p,
+    lax.real_p, lax.reduce_precision_p, lax.rev_p, lax.round_p, lax.rsqrt_p, lax.sign_p,
+    lax.slice_p, lax.sqrt_p, lax.square_p, lax.stop_gradient_p,
 ]  # fmt: skip
 
 _NARY = [
@@ -265,6 +271,10 @@ def reshape_p_named(x: NamedArray, *dynamic_shape: ArrayLike, new_sizes, dimensi
 # --- dot_general -------------------------------------------------------------
 
 
+def _in_range(positions, ndim: int) -> bool:
+    return all(0 <= i < ndim for i in positions)
+
+
 def _align_hint(axes: tuple, name: AxisName, position: int) -> str:
     """`: align(w, ...)` moving `name` to `position` in `axes`, where possible."""
     if name not in axes or None in axes:
@@ -281,6 +291,16 @@ def dot_general_p_named(
 ):
     left, right = _axes_of(x), _axes_of(y)
     (lc, rc), (lb, rb) = dimension_numbers
+    if len(lc) != len(rc) or len(lb) != len(rb):
+        raise ValueError(
+            _PAIRING_MSG.format(lc=lc, rc=rc, lb=lb, rb=rb, dimension_numbers=dimension_numbers)
+        )
+    if not (_in_range((*lc, *lb), len(left)) and _in_range((*rc, *rb), len(right))):
+        # No names to read at an axis that does not exist: JAX's own check says
+        # what is wrong with the dimension numbers (a `TypeError`, as in Quax).
+        return lax.dot_general_p.bind(
+            _array_of(x), _array_of(y), dimension_numbers=dimension_numbers, **params
+        )
     for verb, verbs, kind, pairs in (
         ("contract", "contracts", "contracted", zip(lc, rc)),
         ("batch", "batches", "batch", zip(lb, rb)),
@@ -317,4 +337,8 @@ def dot_general_p_named(
     out = lax.dot_general_p.bind(
         _array_of(x), _array_of(y), dimension_numbers=dimension_numbers, **params
     )
+    if not axes and isinstance(x, NamedArray) and isinstance(y, NamedArray):
+        # A full contraction of two NamedArrays: a NamedArray with no axes, as in
+        # Quax (`_wrap` would give a plain scalar).
+        return NamedArray(out, (), x.allow_materialise and y.allow_materialise)
     return _wrap(out, axes, x, y)

@@ -1,6 +1,6 @@
 """Arrays with physical units: `Unitful(array, unit)`, with a small unit algebra."""
 
-from . import _constants, _linalg, _rules  # noqa: F401  (register Unitful's rules)
+from . import _functions, _linalg, _rules  # noqa: F401  (register Unitful's rules)
 from ._quax_names import (
     as_unit as as_unit,
     Dimension as Dimension,

@@ -12,16 +12,16 @@ it could be anything.
 A plain operand's value is known when it is concrete (a Python or NumPy number,
 a literal of a jaxpr, a `jax.Array` outside any trace), or when it was computed
 inside the body of a `jit` (every `jax.numpy` function is one) from that body's
-literals and constants alone. The second case is what `jit_p_unitful` (below)
-arranges: it runs the body equation by equation, and for each equation whose
-inputs are all known it remembers how to compute the outputs' values. Nothing
+literals and constants alone. The second case is what `jit_p_unitful` (in
+`_functions`) arranges: it runs the body equation by equation, and for each
+equation whose inputs are all known it remembers how to compute the outputs'
+values. Nothing
 is computed unless a rule asks (`known_value`), and the program itself is
 unchanged: the traced outputs are what they would have been.
 """
 
 import contextvars
 import functools as ft
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,11 +29,6 @@ import jax
 import jax.core
 import jax.extend.core
 import numpy as np
-from jaxtyping import ArrayLike
-
-import quaxlike
-
-from ._value import Unitful
 
 
 # id(traced plain value) -> (the value, a function computing its concrete value).
@@ -70,7 +65,7 @@ def fits_every_unit(x: Any) -> bool:
     return bool(np.all(value == 0))
 
 
-def _is_known(x: Any) -> bool:
+def is_known(x: Any) -> bool:
     if not isinstance(x, jax.core.Tracer):
         return True
     known = _known.get()
@@ -112,7 +107,7 @@ def _remember(eqn, subfuns, params, inputs, outputs) -> None:
             known[id(out)] = (out, lambda i=i: evaluate()[i])
 
 
-def _evaluate(closed_jaxpr, *args):
+def evaluate(closed_jaxpr, *args):
     """Evaluate `closed_jaxpr` on `args` equation by equation (as
     `jax.core.eval_jaxpr` does), remembering the outputs whose values are known."""
     jaxpr = closed_jaxpr.jaxpr
@@ -128,13 +123,13 @@ def _evaluate(closed_jaxpr, *args):
         with eqn.ctx.manager:
             out = eqn.primitive.bind(*subfuns, *inputs, **params)
         outputs = out if eqn.primitive.multiple_results else [out]
-        if not eqn.effects and all(map(_is_known, inputs)):
+        if not eqn.effects and all(map(is_known, inputs)):
             _remember(eqn, subfuns, params, inputs, outputs)
         env.update(zip(eqn.outvars, outputs))
     return [read(v) for v in jaxpr.outvars]
 
 
-def _tracking(fn: Callable) -> Callable:
+def tracking(fn: Callable) -> Callable:
     """`fn` with a table of known values open while it runs (the enclosing one if
     there is one, so that values known outside a nested body stay known in it)."""
 
@@ -149,46 +144,3 @@ def _tracking(fn: Callable) -> Callable:
             _known.reset(token)
 
     return wrapper
-
-
-@quaxlike.register(jax.extend.core.primitives.jit_p)
-@_tracking
-def jit_p_unitful(*args: Unitful | ArrayLike, jaxpr, inline=False, name="jit", **params):
-    from ._functions import known_function
-
-    function_rule = known_function(name, jaxpr, args)
-    if function_rule is not None:
-        return function_rule(*args)
-    # `inline` is a bool up to jax 0.10 and a `jax.Inline` from 0.11.
-    inlined = quaxlike.internal.jit_inlines_at_trace(inline)
-    if inlined or any(_is_known(a) for a in args if not isinstance(a, Unitful)):
-        # Run the body's equations here, in the enclosing program (as the
-        # built-in rule does for an inline `jit`), so that what is known outside
-        # stays known inside: `jnp.var(x)` hands its `ddof` to its body as a
-        # literal, `jnp.where(c, x, jnp.nan)` its NaN. A `jit` is transparent:
-        # the values computed are the same either way.
-        return quaxlike.quaxify(ft.partial(_evaluate, jaxpr))(*args)
-    # Nothing known among the plain arguments: keep the `jit` boundary, as the
-    # built-in rule does. A `Unitful` is a PyTree whose unit is static, so it
-    # crosses it as it is. (Inside, every argument is a new tracer, known to
-    # nobody, so the body traces the same way every time JAX's cache is hit.)
-    return _jitted_body(jaxpr, name)(*args)
-
-
-# One `jax.jit`-wrapped body per (jaxpr, name), so that JAX's own cache sees the
-# same function when the same jitted function is called again. The body holds
-# the jaxpr weakly: a cache entry must not keep its key alive.
-_jitted_bodies: "weakref.WeakKeyDictionary[Any, dict[str, Callable]]" = weakref.WeakKeyDictionary()
-
-
-def _jitted_body(jaxpr, name: str) -> Callable:
-    per_name = _jitted_bodies.setdefault(jaxpr, {})
-    if name not in per_name:
-        jaxpr_ref = weakref.ref(jaxpr)
-
-        def body(*args):
-            return quaxlike.quaxify(_tracking(ft.partial(_evaluate, jaxpr_ref())))(*args)
-
-        body.__name__ = body.__qualname__ = name
-        per_name[name] = jax.jit(body)
-    return per_name[name]

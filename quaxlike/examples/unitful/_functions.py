@@ -17,6 +17,10 @@ one JAX traces for the function itself on the same argument types (a user's own
 `jax.jit` function called `hypot` is not mistaken for `jnp.hypot`), and with the
 arguments the rule expects (`jnp.interp` with `left`, `right` or `period` given
 is not recognised, and goes primitive by primitive as any other function).
+
+The `jit` rule (`jit_p_unitful`, at the end) is where both meet: a recognised
+function goes to its rule here, and any other `jit` runs its body with the
+values known while tracing remembered (see `_constants`).
 """
 
 import functools as ft
@@ -27,10 +31,12 @@ from typing import Any
 import jax
 import jax.extend.core
 import jax.numpy as jnp
+from jaxtyping import ArrayLike
 
 import quaxlike
 
-from ._rules import _array_of, _common_unit, _unit_of
+from ._constants import evaluate, is_known, tracking
+from ._operands import _array_of, _common_unit, _unit_of
 from ._value import UnitError, Unitful
 
 
@@ -206,3 +212,47 @@ def known_function(name: str, jaxpr: Any, args: tuple) -> Callable | None:
         verdicts[name] = _which_variant(variants, jaxpr, args)
     index = verdicts[name]
     return None if index is None else variants[index][1]
+
+
+# --- the rule for a `jit` ------------------------------------------------------
+
+
+@quaxlike.register(jax.extend.core.primitives.jit_p)
+@tracking
+def jit_p_unitful(*args: Unitful | ArrayLike, jaxpr, inline=False, name="jit", **params):
+    function_rule = known_function(name, jaxpr, args)
+    if function_rule is not None:
+        return function_rule(*args)
+    # `inline` is a bool up to jax 0.10 and a `jax.Inline` from 0.11.
+    inlined = quaxlike.internal.jit_inlines_at_trace(inline)
+    if inlined or any(is_known(a) for a in args if not isinstance(a, Unitful)):
+        # Run the body's equations here, in the enclosing program (as the
+        # built-in rule does for an inline `jit`), so that what is known outside
+        # stays known inside: `jnp.var(x)` hands its `ddof` to its body as a
+        # literal, `jnp.where(c, x, jnp.nan)` its NaN. A `jit` is transparent:
+        # the values computed are the same either way.
+        return quaxlike.quaxify(ft.partial(evaluate, jaxpr))(*args)
+    # Nothing known among the plain arguments: keep the `jit` boundary, as the
+    # built-in rule does. A `Unitful` is a PyTree whose unit is static, so it
+    # crosses it as it is. (Inside, every argument is a new tracer, known to
+    # nobody, so the body traces the same way every time JAX's cache is hit.)
+    return _jitted_body(jaxpr, name)(*args)
+
+
+# One `jax.jit`-wrapped body per (jaxpr, name), so that JAX's own cache sees the
+# same function when the same jitted function is called again. The body holds
+# the jaxpr weakly: a cache entry must not keep its key alive.
+_jitted_bodies: "weakref.WeakKeyDictionary[Any, dict[str, Callable]]" = weakref.WeakKeyDictionary()
+
+
+def _jitted_body(jaxpr, name: str) -> Callable:
+    per_name = _jitted_bodies.setdefault(jaxpr, {})
+    if name not in per_name:
+        jaxpr_ref = weakref.ref(jaxpr)
+
+        def body(*args):
+            return quaxlike.quaxify(tracking(ft.partial(evaluate, jaxpr_ref())))(*args)
+
+        body.__name__ = body.__qualname__ = name
+        per_name[name] = jax.jit(body)
+    return per_name[name]

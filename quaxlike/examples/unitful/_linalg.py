@@ -17,7 +17,7 @@ from jaxtyping import ArrayLike
 
 import quaxlike
 
-from ._rules import _array_of, _unit_of
+from ._operands import _array_of, _unit_of
 from ._value import UnitError, Unitful
 
 

@@ -11,7 +11,8 @@ Families, each registered from a table below:
 """
 
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
@@ -22,36 +23,20 @@ from jax import lax
 from jaxtyping import ArrayLike
 
 import quaxlike
+from quaxlike.internal import TRANSCENDENTAL_PRIMITIVES
 
-from ._constants import fits_every_unit, known_value
+from ._constants import known_value
+from ._operands import (
+    _array_of,
+    _common_unit,
+    _require_dimensionless,
+    _rule_name,
+    _unit_of,
+)
 from ._unit import as_fraction, dimensionless, Unit
-from ._value import convert_array, UnitError, Unitful
+from ._value import UnitError, Unitful
 
 
-_MISMATCH_MSG = (
-    "`{primitive}` needs its arguments in compatible units, but got a quantity in "
-    "{first} (argument {first_position}) and one in {second} (argument "
-    "{second_position}), whose dimensions differ. Only quantities of the same kind "
-    "can be added, subtracted, compared or selected between (units of one kind, "
-    "such as km and m, are converted automatically): check the formula."
-)
-_PLAIN_MSG = (
-    "`{primitive}` got a plain array (argument {plain_position}) and a quantity in "
-    "{unit} (argument {position}). A plain array counts as a dimensionless number, "
-    "so it can only be combined this way with dimensionless quantities, unless it "
-    "is 0, +-inf or NaN everywhere (values that fit every unit). Give it a unit, "
-    "for example by passing `Unitful(x, {unit_expr})` into the quaxified function "
-    "instead of `x`."
-)
-_UNKNOWN_PLAIN_MSG = (
-    " (Its value is not known while tracing: it depends on a traced input, such as "
-    "an argument of `jax.jit`, so it cannot be checked for 0, inf or NaN either.)"
-)
-_NEEDS_DIMENSIONLESS_MSG = (
-    "`{primitive}` needs a dimensionless argument, but argument {position} is a "
-    "quantity in {unit}. Divide it by a reference quantity first (for example "
-    "`jnp.exp(-energy / kT)` with `kT` in the same unit as `energy`)."
-)
 _POW_MSG = (
     "`pow` with a quantity in {unit} as its base: the unit of the result depends on "
     "the exponent's value, which is not known while tracing (or is not the same "
@@ -59,106 +44,6 @@ _POW_MSG = (
     "(`x ** 1.5`, `jnp.power(x, 2.0)`), use `jnp.sqrt` or `jnp.cbrt`, or divide by "
     "a reference quantity first so the base is dimensionless."
 )
-_INDEX_MSG = (
-    "`{primitive}` got a quantity in {unit} as argument {position}, where it expects "
-    "plain numbers (indices, a predicate, a shape); only argument {allowed} may carry "
-    "a unit."
-)
-
-
-def _quantities(args: Sequence[Any], positions: Sequence[int]) -> list[int]:
-    return [i for i in positions if isinstance(args[i], Unitful)]
-
-
-def _name(primitive) -> str:
-    # Rules for whole `jax.numpy` functions (`_functions`) pass the function's name.
-    return primitive if isinstance(primitive, str) else primitive.name
-
-
-def _check_plain(primitive, args, positions) -> None:
-    """Raise if a Unitful sits where the primitive expects plain numbers."""
-    allowed = set(positions)
-    for i, x in enumerate(args):
-        if i not in allowed and isinstance(x, Unitful):
-            text = ", ".join(str(p) for p in sorted(allowed))
-            raise UnitError(
-                _INDEX_MSG.format(primitive=_name(primitive), unit=x.unit, position=i, allowed=text)
-            )
-
-
-def _common_unit(primitive, args: Sequence[Any], positions: Sequence[int]):
-    """Express the operands at `positions` in one unit (that of the first quantity
-    among them, or dimensionless when a plain array is involved).
-
-    Returns the operands as plain arrays, and that unit.
-    """
-    _check_plain(primitive, args, positions)
-    quantity_positions = _quantities(args, positions)
-    first = quantity_positions[0]
-    unit = args[first].unit
-    # 0, +-inf and NaN fit every unit (see `_constants`); other plain numbers
-    # are dimensionless.
-    plain_positions = [
-        i for i in positions if i not in quantity_positions and not fits_every_unit(args[i])
-    ]
-    if plain_positions:
-        # Plain numbers are dimensionless with scale 1.
-        for i in quantity_positions:
-            if not args[i].unit.dimensionless:
-                plain = plain_positions[0]
-                raise UnitError(
-                    _PLAIN_MSG.format(
-                        primitive=_name(primitive),
-                        plain_position=plain,
-                        unit=args[i].unit,
-                        position=i,
-                        unit_expr=_unit_expression(args[i].unit),
-                    )
-                    + ("" if known_value(args[plain]) is not None else _UNKNOWN_PLAIN_MSG)
-                )
-        unit = dimensionless
-    arrays = list(args)
-    for i in quantity_positions:
-        if not args[i].unit.same_dimensions(unit):
-            raise UnitError(
-                _MISMATCH_MSG.format(
-                    primitive=_name(primitive),
-                    first=unit,
-                    first_position=first,
-                    second=args[i].unit,
-                    second_position=i,
-                )
-            )
-        arrays[i] = convert_array(args[i].array, args[i].unit, unit)
-    return arrays, unit
-
-
-def _unit_expression(unit: Unit) -> str:
-    text = str(unit)
-    return text.replace("^", "**") if unit.scale == 1.0 else "unit"
-
-
-def _require_dimensionless(primitive, x: Unitful, position: int = 0):
-    """`x`'s numbers as a pure number (scale 1), or a UnitError."""
-    if not x.unit.dimensionless:
-        raise UnitError(
-            _NEEDS_DIMENSIONLESS_MSG.format(
-                primitive=primitive.name, position=position, unit=x.unit
-            )
-        )
-    return convert_array(x.array, x.unit, dimensionless)
-
-
-def _rule_name(primitive, suffix: str) -> str:
-    return f"{primitive.name.replace('-', '_')}_p_{suffix}"
-
-
-def _unit_of(x: Any) -> Unit:
-    return x.unit if isinstance(x, Unitful) else dimensionless
-
-
-def _array_of(x: Any) -> Any:
-    return x.array if isinstance(x, Unitful) else x
 
 
 # --- same-unit primitives --------------------------------------------------------
@@ -324,31 +209,29 @@ for _primitive in [lax.sort_p, lax.optimization_barrier_p]:
 # --- unit algebra ----------------------------------------------------------------
 
 
-@quaxlike.register(lax.mul_p)
-def mul_p_unitful(x: Unitful | ArrayLike, y: Unitful | ArrayLike, **params) -> Unitful:
-    out = lax.mul_p.bind(_array_of(x), _array_of(y), **params)
-    return Unitful(out, _unit_of(x) * _unit_of(y))
-
-
-def _make_product_rule(primitive):
-    # Sums of products of an element of each: the units multiply.
+def _make_product_rule(primitive, combine: Callable[[Unit, Unit], Unit]):
+    # The numbers combine as the primitive says, the units by `combine`: `mul`
+    # and the sums of products of an element of each (`dot_general`, `conv`)
+    # multiply them, `div` divides them.
     def rule(x: Unitful | ArrayLike, y: Unitful | ArrayLike, **params) -> Unitful:
         out = primitive.bind(_array_of(x), _array_of(y), **params)
-        return Unitful(out, _unit_of(x) * _unit_of(y))
+        return Unitful(out, combine(_unit_of(x), _unit_of(y)))
 
     rule.__name__ = rule.__qualname__ = _rule_name(primitive, "unitful")
     return rule
 
 
-# `dot_general` (`@`, `einsum`) and `conv_general_dilated` (`jnp.convolve`).
-for _primitive in [lax.dot_general_p, lax.conv_general_dilated_p]:
-    quaxlike.register(_primitive)(_make_product_rule(_primitive))
+# `mul`, `div`, `dot_general` (`@`, `einsum`) and `conv_general_dilated`
+# (`jnp.convolve`).
+_PRODUCTS = {
+    lax.mul_p: operator.mul,
+    lax.div_p: operator.truediv,
+    lax.dot_general_p: operator.mul,
+    lax.conv_general_dilated_p: operator.mul,
+}
 
-
-@quaxlike.register(lax.div_p)
-def div_p_unitful(x: Unitful | ArrayLike, y: Unitful | ArrayLike, **params) -> Unitful:
-    out = lax.div_p.bind(_array_of(x), _array_of(y), **params)
-    return Unitful(out, _unit_of(x) / _unit_of(y))
+for _primitive, _combine in _PRODUCTS.items():
+    quaxlike.register(_primitive)(_make_product_rule(_primitive, _combine))
 
 
 @quaxlike.register(lax.integer_pow_p)
@@ -417,29 +300,7 @@ def _known_power(y: Any) -> Fraction | None:
 # --- dimensionless-only primitives -----------------------------------------------
 
 _NEEDS_DIMENSIONLESS = [
-    lax.exp_p,
-    lax.exp2_p,
-    lax.log_p,
-    lax.log1p_p,
-    lax.expm1_p,
-    lax.sin_p,
-    lax.cos_p,
-    lax.tan_p,
-    lax.asin_p,
-    lax.acos_p,
-    lax.atan_p,
-    lax.sinh_p,
-    lax.cosh_p,
-    lax.tanh_p,
-    lax.asinh_p,
-    lax.acosh_p,
-    lax.atanh_p,
-    lax.logistic_p,
-    lax.erf_p,
-    lax.erfc_p,
-    lax.erf_inv_p,
-    lax.lgamma_p,
-    lax.digamma_p,
+    *TRANSCENDENTAL_PRIMITIVES,
     lax.cumlogsumexp_p,
     lax.cumprod_p,
 ]
