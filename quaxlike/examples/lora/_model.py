@@ -12,8 +12,9 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 import quaxlike
 
-from ._conv import dense_kernel, LoraConvKernel
-from ._value import _dense, LoraArray
+from ._base import LowRankValue
+from ._conv import LoraConvKernel
+from ._value import LoraArray
 
 
 _NO_MATCH_MSG = (
@@ -56,7 +57,7 @@ _BAD_WHERE_MSG = (
 
 
 def _is_lora(x: Any) -> bool:
-    return isinstance(x, (LoraArray, LoraConvKernel))
+    return isinstance(x, LowRankValue)
 
 
 def _is_value(x: Any) -> bool:
@@ -406,8 +407,4 @@ def merge(model: PyTree) -> PyTree:
 
 
 def _merged(x: Any) -> Any:
-    if isinstance(x, LoraConvKernel):
-        return dense_kernel(x.w, x.a, x.b, x.out_axis)
-    if isinstance(x, LoraArray):
-        return _dense(x.w, x.a, x.b)
-    return x
+    return x.merged() if isinstance(x, LowRankValue) else x
