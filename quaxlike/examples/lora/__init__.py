@@ -1,6 +1,7 @@
 """Low-rank adaptation: `LoraArray` stands for `W + A @ B` without building it, and
 `LoraConvKernel` for a convolution kernel plus a low-rank update."""
 
+from ..selection import module as module, select as select
 from . import _conv, _gather, _rules  # noqa: F401  (register the rules)
 from ._conv import LoraConvKernel as LoraConvKernel
 from ._model import (
@@ -9,6 +10,13 @@ from ._model import (
     merge as merge,
     partition as partition,
     trainable_filter as trainable_filter,
+)
+from ._multi import (
+    adapter_count as adapter_count,
+    multi_loraify as multi_loraify,
+    MultiLoraArray as MultiLoraArray,
+    stack_adapters as stack_adapters,
+    with_adapter as with_adapter,
 )
 from ._qlora import qlora as qlora
 from ._value import LoraArray as LoraArray

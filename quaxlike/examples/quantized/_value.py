@@ -3,7 +3,6 @@
 import abc
 import dataclasses
 import functools as ft
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -15,6 +14,8 @@ from jaxtyping import Array, ArrayLike, Float, Int8, PyTree, UInt8
 
 import quaxlike
 from quaxlike.internal import ShapedArray
+
+from ..selection import is_value, selected
 
 
 _REFUSE_MSG = (
@@ -34,6 +35,11 @@ _BAD_GROUP_MSG = (
     "Pick a group size that divides {size}, or leave this weight out with `where=`."
 )
 _BAD_BITS_MSG = "`quantize`: `bits` must be 8 or 4; got {bits!r}."
+_NO_MATCH_MSG = (
+    "`quantize(..., where={where!r})` selected no weight of the model. Check a "
+    "selection with `quaxlike.examples.selection.select(model, where)`: patterns match "
+    "dotted paths such as 'layers.0.weight' (`*` one component, `**` any number)."
+)
 _NO_LINEAR_MSG = (
     "`quantize(model)` found no `eqx.nn.Linear` in the model ({type_name}), so it would "
     "quantise nothing. For another kind of model, say which weights to quantise "
@@ -474,7 +480,7 @@ def quantize(
     *,
     bits: int = 8,
     group_size: int = 32,
-    where: Callable[[PyTree], Any] | None = None,
+    where: Any = None,
     allow_materialise: bool = False,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> PyTree:
@@ -492,8 +498,13 @@ def quantize(
     - `bits`: 8 for `Int8Array` (per output channel) or 4 for `Int4Array` (per
         group).
     - `group_size`: the group size for `bits=4` (ignored for 8).
-    - `where`: instead of every `Linear` weight, the arrays this function selects
-        (as for `eqx.tree_at`: one array, or a list or tuple of them).
+    - `where`: instead of every `Linear` weight, the weights to quantise: any
+        selection of `quaxlike.examples.selection`, as `loraify` takes it (check
+        one with `select(model, where)`): a path pattern (`"layers.*.weight"`,
+        `"**.query_proj"`), a module type or `module(eqx.nn.Linear,
+        out_features=10)`, a predicate `(path, leaf) -> bool`, a getter returning
+        the arrays (as for `eqx.tree_at`: one array, or a list or tuple of them),
+        or a list of these.
     - `allow_materialise`: as for `Int8Array` and `Int4Array`.
     - `block_bytes`: the most bytes of dequantised weight a matrix product builds
         at a time (default 512 KiB). A matrix product dequantises its weight in
@@ -508,8 +519,8 @@ def quantize(
 
     **Raises:**
 
-    `ValueError` if `where` is not given and the model has no `eqx.nn.Linear`
-    (rather than returning it unchanged).
+    `ValueError` if `where` is not given and the model has no `eqx.nn.Linear`, or
+    `where` selects nothing (rather than returning the model unchanged).
 
     !!! example
 
@@ -533,12 +544,13 @@ def quantize(
         if not _linear_weights(model):
             raise ValueError(_NO_LINEAR_MSG.format(type_name=type(model).__qualname__))
         where = _linear_weights
-    selected = where(model)
-    if isinstance(selected, (list, tuple)):
-        replacement = type(selected)(make(w) for w in selected)
-    else:
-        replacement = make(selected)
-    return eqx.tree_at(where, model, replacement)
+    leaves, treedef = jtu.tree_flatten(model, is_leaf=is_value)
+    positions = selected(model, where, "quantize")
+    if not positions:
+        raise ValueError(_NO_MATCH_MSG.format(where=where))
+    for i in positions:
+        leaves[i] = make(leaves[i])
+    return jtu.tree_unflatten(treedef, leaves)
 
 
 def dequantize(model: PyTree) -> PyTree:
