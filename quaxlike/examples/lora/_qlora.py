@@ -1,9 +1,12 @@
 """`qlora`: a LoRA update on every quantised `eqx.nn.Linear` weight of a model."""
 
+from typing import Any
+
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ..quantized import quantize
 from ..quantized._value import DEFAULT_BLOCK_BYTES
+from ..selection import select
 from ._model import loraify
 
 
@@ -16,6 +19,7 @@ def qlora(
     group_size: int = 32,
     scale: float = 0.01,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    where: Any = None,
 ) -> PyTree:
     """Quantise every `eqx.nn.Linear` weight of `model` and give it a trainable
     low-rank update: QLoRA.
@@ -24,7 +28,8 @@ def qlora(
     each weight becomes a `LoraArray` whose frozen base is an `Int4Array` (or
     `Int8Array`). Products with it run on the quantised base block by block (it
     is never dequantised whole) plus the low-rank update; gradients stop at the
-    base. For other selections, call `quantize` and `loraify` yourself.
+    base. `where` selects other weights, as for `loraify` and `quantize` (both
+    get the same selection).
 
     **Arguments:**
 
@@ -32,6 +37,8 @@ def qlora(
     - `rank`, `key`, `scale`: as for `loraify`.
     - `bits`, `group_size`, `block_bytes`: as for
         `quaxlike.examples.quantized.quantize`.
+    - `where`: which weights, in any form of `quaxlike.examples.selection` (by
+        default every `eqx.nn.Linear` weight); check it with `select(model, where)`.
 
     **Returns:**
 
@@ -47,5 +54,11 @@ def qlora(
         y = quaxlike.quaxify(model)(jnp.ones(64))
         ```
     """
-    quantized = quantize(model, bits=bits, group_size=group_size, block_bytes=block_bytes)
-    return loraify(quantized, rank=rank, key=key, scale=scale)
+    quantized = quantize(
+        model, bits=bits, group_size=group_size, block_bytes=block_bytes, where=where
+    )
+    if where is None:
+        return loraify(quantized, rank=rank, key=key, scale=scale)
+    # The same leaves, whatever the selection would make of the quantised ones.
+    chosen = set(select(model, where))
+    return loraify(quantized, rank=rank, key=key, scale=scale, where=lambda p, _: p in chosen)
