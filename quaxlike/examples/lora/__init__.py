@@ -18,5 +18,10 @@ from ._multi import (
     stack_adapters as stack_adapters,
     with_adapter as with_adapter,
 )
+from ._peft import (
+    load_peft as load_peft,
+    load_safetensors as load_safetensors,
+    save_peft as save_peft,
+)
 from ._qlora import qlora as qlora
 from ._value import LoraArray as LoraArray
