@@ -227,8 +227,6 @@ class _Module(Selection):
         checks = [k for k in self.kinds if not isinstance(k, type)]
         if types and not isinstance(node, types):
             return False
-        if not types and not hasattr(node, "__dict__") and not hasattr(node, "__slots__"):
-            return False  # a predicate alone is asked of modules, not of arrays
         for check in checks:
             if not _truth(check, node):
                 return False
@@ -241,7 +239,12 @@ class _Module(Selection):
         return True
 
     def nodes(self, index: _Index) -> set[KeyPath]:
-        return {p for p, node in index.nodes if not is_value(node) and self._matches(node)}
+        # Layers, not leaves: a predicate alone is asked of modules, not of arrays.
+        return {
+            p
+            for p, node in index.nodes
+            if p not in index.position and node is not None and self._matches(node)
+        }
 
     def leaves(self, index: _Index) -> set[KeyPath]:
         nodes = dict(index.nodes)

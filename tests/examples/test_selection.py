@@ -140,3 +140,20 @@ def test_flax_nnx_modules():
     assert jnp.allclose(jax.jit(quaxlike.quaxify(lambda m, x: m(x)))(lora, x), model(x), atol=1e-6)
     quantised = quantize(model, bits=8, where=nnx.Linear)
     assert isinstance(quantised.hidden.kernel.get_value(), Int8Array)
+
+
+def test_layer_predicates_and_other_attributes(blocks):
+    # A predicate given to `module` is asked of layers (never of arrays).
+    wide = module(lambda layer: getattr(layer, "out_features", 0) == 32)
+    assert select(blocks, wide) == ["0.mlp.layers.0.weight", "1.mlp.layers.0.weight"]
+    assert select(blocks[0].mlp, module(eqx.nn.Linear, attr="bias")) == [
+        "layers.0.bias",
+        "layers.1.bias",
+    ]
+    # Unions of types, and selections that pick nothing.
+    assert select(blocks, eqx.nn.Linear | eqx.nn.Conv) == select(blocks, eqx.nn.Linear)
+    assert select(blocks, module(eqx.nn.Conv)) == []
+    with pytest.raises(TypeError, match=r"select\(\.\.\., where=\.\.\.\)"):
+        select(blocks, 3)
+    with pytest.raises(TypeError, match="pattern strings"):
+        path()
