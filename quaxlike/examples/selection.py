@@ -50,6 +50,11 @@ _BAD_WHERE_MSG = (
     "`eqx.tree_at`), or a list of these; got {got!r}. See "
     "`quaxlike.examples.selection`."
 )
+_NOTHING_MSG = (
+    "`{caller}(..., where={where!r})` selected no weight of the model. Check a "
+    "selection with `quaxlike.examples.selection.select(model, where)`: patterns match "
+    "dotted paths such as 'layers.0.weight' (`*` one component, `**` any number)."
+)
 _GETTER_MSG = (
     "The getter `where={getter!r}` returned {got!r}, which is not a leaf of the model "
     "(nor a layer with a `weight` or `kernel`). A getter returns leaves of the model it "
@@ -508,6 +513,35 @@ def selected(model: PyTree, where: Any, caller: str = "select") -> list[int]:
     index = _Index(model)
     found = as_selection(where, caller).leaves(index)
     return sorted(index.position[p] for p in found)
+
+
+def replace_selected(
+    model: PyTree, where: Any, make: Callable[[Any], Any], caller: str = "select"
+) -> PyTree:
+    """`model` with every leaf `where` picks replaced by `make(leaf)`.
+
+    **Arguments:**
+
+    - `model`: any PyTree.
+    - `where`: any selection (see this module's docstring).
+    - `make`: builds the replacement of one leaf (a quantised weight, say).
+    - `caller`: the function's name, for error messages.
+
+    **Returns:**
+
+    The model with the selected leaves replaced.
+
+    **Raises:**
+
+    `ValueError` if `where` picks nothing.
+    """
+    leaves, treedef = jtu.tree_flatten(model, is_leaf=is_value)
+    positions = selected(model, where, caller)
+    if not positions:
+        raise ValueError(_NOTHING_MSG.format(caller=caller, where=where))
+    for i in positions:
+        leaves[i] = make(leaves[i])
+    return jtu.tree_unflatten(treedef, leaves)
 
 
 def select(model: PyTree, where: Any) -> list[str]:

@@ -15,7 +15,7 @@ from jaxtyping import Array, ArrayLike, Float, Int8, PyTree, UInt8
 import quaxlike
 from quaxlike.internal import ShapedArray
 
-from ..selection import is_value, selected
+from ..selection import replace_selected
 
 
 _REFUSE_MSG = (
@@ -35,11 +35,6 @@ _BAD_GROUP_MSG = (
     "Pick a group size that divides {size}, or leave this weight out with `where=`."
 )
 _BAD_BITS_MSG = "`quantize`: `bits` must be 8 or 4; got {bits!r}."
-_NO_MATCH_MSG = (
-    "`quantize(..., where={where!r})` selected no weight of the model. Check a "
-    "selection with `quaxlike.examples.selection.select(model, where)`: patterns match "
-    "dotted paths such as 'layers.0.weight' (`*` one component, `**` any number)."
-)
 _NO_LINEAR_MSG = (
     "`quantize(model)` found no `eqx.nn.Linear` in the model ({type_name}), so it would "
     "quantise nothing. For another kind of model, say which weights to quantise "
@@ -544,13 +539,7 @@ def quantize(
         if not _linear_weights(model):
             raise ValueError(_NO_LINEAR_MSG.format(type_name=type(model).__qualname__))
         where = _linear_weights
-    leaves, treedef = jtu.tree_flatten(model, is_leaf=is_value)
-    positions = selected(model, where, "quantize")
-    if not positions:
-        raise ValueError(_NO_MATCH_MSG.format(where=where))
-    for i in positions:
-        leaves[i] = make(leaves[i])
-    return jtu.tree_unflatten(treedef, leaves)
+    return replace_selected(model, where, make, "quantize")
 
 
 def dequantize(model: PyTree) -> PyTree:
