@@ -1,8 +1,13 @@
 """Low-rank adaptation: `LoraArray` stands for `W + A @ B` without building it, and
-`LoraConvKernel` for a convolution kernel plus a low-rank update."""
+`LoraConvKernel` for a convolution kernel plus a low-rank update (both built on
+`LowRankValue`). `loraify` and `qlora` adapt a model's weights, chosen with the
+selection language of `quaxlike.examples.selection`; `stack_adapters` and
+`with_adapter` serve many adapters over one base; `save_peft`, `load_peft` and
+`load_safetensors` read and write the Hugging Face layouts."""
 
 from ..selection import module as module, select as select
 from . import _conv, _gather, _rules  # noqa: F401  (register the rules)
+from ._base import LowRankValue as LowRankValue
 from ._conv import LoraConvKernel as LoraConvKernel
 from ._model import (
     adapted_paths as adapted_paths,
