@@ -12,6 +12,7 @@ _NAMES = (
     "named",
     "prng",
     "quantized",
+    "selection",
     "sparse",
     "structured",
     "structured_matrices",

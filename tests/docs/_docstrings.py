@@ -29,6 +29,7 @@ PACKAGES = ["quaxlike", "quaxlike.internal"] + [
         "named",
         "prng",
         "quantized",
+        "selection",
         "sparse",
         "structured",
         "structured_matrices",

@@ -20,8 +20,9 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
 import quaxlike
-from quaxlike.internal import cached_rule, ShapedArray
+from quaxlike.internal import cached_rule
 
+from ._base import check_rank, check_weight, LowRankValue, shape_of
 from ._value import LoraArray
 
 
@@ -47,7 +48,6 @@ _BAD_AXIS_MSG = (
     "`eqx.nn.ConvTranspose` kernels `(out, in / groups, *kernel_size)`, -1 for the "
     "`(*kernel_size, in / groups, out)` kernels of Flax."
 )
-_BAD_RANK_MSG = "LoraConvKernel needs a positive integer `rank`; got {rank!r}."
 _RESHAPE_MSG = (
     "Refusing to reshape a LoraConvKernel from {shape} to {new_shape}: the low-rank "
     "update would not stay low-rank in a form the convolution rule can use, and the "
@@ -70,11 +70,7 @@ _LORA_ARRAY_KERNEL_MSG = (
 )
 
 
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(x.shape) if hasattr(x, "shape") else tuple(np.shape(x))
-
-
-class LoraConvKernel(quaxlike.ArrayValue):
+class LoraConvKernel(LowRankValue):
     """A convolution kernel `W` plus a trainable low-rank update `A · B`, as one array
     value.
 
@@ -122,15 +118,9 @@ class LoraConvKernel(quaxlike.ArrayValue):
         ```
     """
 
-    # W + A · B is bilinear in (A, B): a tangent of the leaves is not a LoraConvKernel.
-    structured_tangents: ClassVar[bool] = False
+    refuse_message: ClassVar[str] = _REFUSE_MSG
 
-    w: Array | quaxlike.ArrayValue
-    a: Array | quaxlike.ArrayValue
-    b: Array | quaxlike.ArrayValue
     out_axis: int = eqx.field(static=True)
-    allow_materialise: bool = eqx.field(static=True)
-    stop_gradient: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -143,15 +133,9 @@ class LoraConvKernel(quaxlike.ArrayValue):
         allow_materialise: bool = False,
         stop_gradient: bool = True,
     ):
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
-            raise ValueError(_BAD_RANK_MSG.format(rank=rank))
-        if not isinstance(weight, (jax.Array, quaxlike.Value)):
-            weight = jnp.asarray(weight)
-        shape = _shape(weight)
-        if len(shape) < 3 or not jnp.issubdtype(weight.dtype, jnp.inexact):
-            raise ValueError(
-                _BAD_WEIGHT_MSG.format(what=f"an array of dtype {weight.dtype} and shape {shape}")
-            )
+        rank = check_rank(LoraConvKernel, rank)
+        weight = check_weight(weight, 3, _BAD_WEIGHT_MSG)
+        shape = shape_of(weight)
         axis = _normalise_axis(out_axis, shape)
         self.w = weight
         self.a, self.b = _initial_factors(
@@ -193,58 +177,29 @@ class LoraConvKernel(quaxlike.ArrayValue):
             assert kernel.rank == 1 and kernel.shape == (4, 2, 3)
             ```
         """
-        shape = _shape(w)
+        shape = shape_of(w)
         axis = _normalise_axis(out_axis, shape)
-        rank = _shape(a)[-1]
+        rank = shape_of(a)[-1]
         expected_b = shape[:axis] + (rank,) + shape[axis + 1 :]
-        if _shape(a) != (shape[axis], rank) or _shape(b) != expected_b:
+        if shape_of(a) != (shape[axis], rank) or shape_of(b) != expected_b:
             raise ValueError(
                 f"LoraConvKernel.from_factors: for a kernel of shape {shape} with "
                 f"out_axis={axis}, `a` must have shape ({shape[axis]}, rank) and `b` "
                 f"the kernel's shape with rank at axis {axis} ({expected_b} for "
-                f"rank {rank}); got `a` {_shape(a)} and `b` {_shape(b)}."
+                f"rank {rank}); got `a` {shape_of(a)} and `b` {shape_of(b)}."
             )
-        # Equinox's own unflattening builds Modules this way: the fields are set
-        # directly, bypassing `__init__` (which would draw `a`).
-        self = object.__new__(cls)
-        for name, value in (
-            ("w", w),
-            ("a", a),
-            ("b", b),
-            ("out_axis", axis),
-            ("allow_materialise", allow_materialise),
-            ("stop_gradient", stop_gradient),
-        ):
-            object.__setattr__(self, name, value)
-        return self
+        return cls._from_fields(
+            w=w,
+            a=a,
+            b=b,
+            out_axis=axis,
+            allow_materialise=allow_materialise,
+            stop_gradient=stop_gradient,
+        )
 
-    @property
-    def rank(self) -> int:
-        """The rank of the update (the last dimension of `a`)."""
-        return _shape(self.a)[-1]
-
-    def aval(self) -> ShapedArray:
-        # Reads shapes and dtypes only: no operation enters a traced program.
-        return ShapedArray(_shape(self.w), self.w.dtype)
-
-    def frozen_weight(self) -> Any:
-        """`W`, behind `lax.stop_gradient` when the weight is frozen."""
-        return quaxlike.quaxify(lax.stop_gradient)(self.w) if self.stop_gradient else self.w
-
-    def materialise(self) -> Any:
-        if not self.allow_materialise:
-            raise RuntimeError(_REFUSE_MSG.format(shape=_shape(self.w)))
-        return self.dense()
-
-    def dense(self) -> Any:
-        """`W + A · B` as a dense kernel, whatever `allow_materialise` says. `W` is
-        behind `lax.stop_gradient` when the weight is frozen.
-
-        **Returns:**
-
-        An array (or a Value, if `W` is one) of this kernel's shape and dtype.
-        """
-        return dense_kernel(self.frozen_weight(), self.a, self.b, self.out_axis)
+    def dense_from(self, w: Any, a: Any, b: Any) -> Any:
+        """`w + A · B` for this kernel's `out_axis`."""
+        return dense_kernel(w, a, b, self.out_axis)
 
     def with_factors(self, w: Any, a: Any, b: Any, out_axis: int | None = None) -> "LoraConvKernel":
         """A copy with `w`, `a` and `b` (and optionally `out_axis`) replaced; the flags

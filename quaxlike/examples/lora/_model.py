@@ -1,7 +1,5 @@
 """Working with whole models: `loraify`, `trainable_filter`, `partition`, `merge`."""
 
-import fnmatch
-from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import equinox as eqx
@@ -12,15 +10,19 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 import quaxlike
 
-from ._conv import dense_kernel, LoraConvKernel
-from ._value import _dense, LoraArray
+from ..selection import dotted_path, selected as selected_leaves
+from ._base import LowRankValue
+from ._conv import LoraConvKernel
+from ._value import LoraArray
 
 
 _NO_MATCH_MSG = (
     "`loraify(..., where={where!r})` selected no leaf of the model, so nothing would "
     "be adapted. Patterns are matched against dotted paths built from attribute "
     "names, sequence indices and dict keys; `*` stands for one component and `**` "
-    "for any number of them. Some paths in this model: {paths}."
+    "for any number of them. Check a selection with "
+    "`quaxlike.examples.selection.select(model, where)`. Some paths in this model: "
+    "{paths}."
 )
 _NOT_A_MATRIX_MSG = (
     "`loraify(..., where={where!r})` selected the leaf `{path}`, which is {what}; "
@@ -47,62 +49,16 @@ _BAD_KEY_SCHEME_MSG = (
     "or 'split' (one `jr.split(key, n)` over the adapted weights in tree order); got "
     "{got!r}."
 )
-_BAD_WHERE_MSG = (
-    "`loraify(..., where=...)` takes None (the weight of every `eqx.nn.Linear`, "
-    "`eqx.nn.Conv` and `eqx.nn.ConvTranspose`), a path pattern string such as "
-    "'layers.*.weight', a sequence of such strings, or a predicate "
-    "`(path: str, leaf) -> bool`; got {got!r}."
-)
 
 
 def _is_lora(x: Any) -> bool:
-    return isinstance(x, (LoraArray, LoraConvKernel))
+    return isinstance(x, LowRankValue)
 
 
 def _is_value(x: Any) -> bool:
     # Values are selected whole, as one weight: the codes and scales of a
     # quantised weight, say, are not weights of their own.
     return isinstance(x, quaxlike.Value)
-
-
-def _component(key: Any) -> str:
-    if isinstance(key, jtu.GetAttrKey):
-        return key.name
-    if isinstance(key, jtu.SequenceKey):
-        return str(key.idx)
-    if isinstance(key, jtu.DictKey):
-        return str(key.key)
-    if isinstance(key, jtu.FlattenedIndexKey):
-        return str(key.key)
-    return str(key)
-
-
-def dotted_path(key_path: Sequence[Any]) -> str:
-    """The dotted string for a JAX key path: `layers.0.weight` for
-    `(GetAttrKey('layers'), SequenceKey(0), GetAttrKey('weight'))`."""
-    return ".".join(_component(k) for k in key_path)
-
-
-def _glob(pattern: list[str], path: list[str]) -> bool:
-    """Match path components against pattern components, where `*`-style wildcards
-    apply within one component and `**` matches any number of components."""
-    if not pattern:
-        return not path
-    head, rest = pattern[0], pattern[1:]
-    if head == "**":
-        return any(_glob(rest, path[i:]) for i in range(len(path) + 1))
-    return bool(path) and fnmatch.fnmatchcase(path[0], head) and _glob(rest, path[1:])
-
-
-def _as_predicate(where: Any) -> Callable[[str, Any], object]:
-    if isinstance(where, str):
-        where = [where]
-    if isinstance(where, (list, tuple)) and all(isinstance(p, str) for p in where):
-        patterns = [p.split(".") for p in where]
-        return lambda path, leaf: any(_glob(p, path.split(".")) for p in patterns)
-    if callable(where):
-        return where
-    raise TypeError(_BAD_WHERE_MSG.format(got=where))
 
 
 _CONVOLUTIONS = (eqx.nn.Conv, eqx.nn.ConvTranspose)
@@ -133,7 +89,7 @@ def loraify(
     *,
     rank: int,
     key: PRNGKeyArray,
-    where: str | Sequence[str] | Callable[[str, Any], bool] | None = None,
+    where: Any = None,
     scale: float = 0.01,
     allow_materialise: bool = False,
     stop_gradient: bool = True,
@@ -172,15 +128,20 @@ def loraify(
     - `key_scheme`: `"quax"` (the default): the chain above. `"split"`:
         `jr.split(key, n)` over the replaced weights in tree order, as quaxlike did
         before it matched Quax.
-    - `where`: which leaves to replace. One of:
-        - `None`: the weight of every `eqx.nn.Linear`, `eqx.nn.Conv` and
-          `eqx.nn.ConvTranspose`;
-        - a pattern string, matched against each leaf's dotted path, where `*`
-          matches one component (or part of one, as in `lin*`), and `**` matches
-          any number of components: `"layers.*.weight"`, `"**.weight"`;
-        - a sequence of pattern strings (a leaf matching any is selected);
+    - `where`: which leaves to replace. `None`: the weight of every
+        `eqx.nn.Linear`, `eqx.nn.Conv` and `eqx.nn.ConvTranspose`. Otherwise any
+        selection of `quaxlike.examples.selection` (check one with
+        `select(model, where)`):
+        - a pattern string, matched against dotted paths, where `*` matches one
+          component (or part of one, as in `lin*`), and `**` matches any number
+          of components: `"layers.*.weight"`, `"**.weight"`, or a layer's path
+          (`"layers.0"`, for its weight);
+        - a module type (`eqx.nn.Linear`, `flax.nnx.Linear`), or
+          `module(eqx.nn.Linear, out_features=10)` with attribute tests;
         - a predicate `where(path: str, leaf) -> bool` on the dotted path and
-          the leaf.
+          the leaf, or a getter `model -> leaves` as for `eqx.tree_at`;
+        - a list of these (a leaf matching any is selected), or a combination
+          with `|`, `&`, `~` and `.within(...)`.
 
     **Returns:**
 
@@ -213,8 +174,8 @@ def loraify(
             raise ValueError(_NO_LINEAR_MSG)
         chosen = [p in layers and not _is_lora(leaf) for p, leaf in zip(paths, leaves)]
     else:
-        predicate = _as_predicate(where)
-        chosen = [not _is_lora(leaf) and bool(predicate(p, leaf)) for p, leaf in zip(paths, leaves)]
+        picked = set(selected_leaves(model, where, "loraify"))
+        chosen = [i in picked and not _is_lora(leaf) for i, leaf in enumerate(leaves)]
         if not any(chosen):
             shown = ", ".join(paths[:8]) + (", ..." if len(paths) > 8 else "")
             raise ValueError(_NO_MATCH_MSG.format(where=where, paths=shown or "(none)"))
@@ -406,8 +367,4 @@ def merge(model: PyTree) -> PyTree:
 
 
 def _merged(x: Any) -> Any:
-    if isinstance(x, LoraConvKernel):
-        return dense_kernel(x.w, x.a, x.b, x.out_axis)
-    if isinstance(x, LoraArray):
-        return _dense(x.w, x.a, x.b)
-    return x
+    return x.merged() if isinstance(x, LowRankValue) else x

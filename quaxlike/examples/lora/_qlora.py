@@ -1,9 +1,12 @@
 """`qlora`: a LoRA update on every quantised `eqx.nn.Linear` weight of a model."""
 
+from typing import Any
+
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ..quantized import quantize
 from ..quantized._value import DEFAULT_BLOCK_BYTES
+from ..selection import select
 from ._model import loraify
 
 
@@ -17,6 +20,7 @@ def qlora(
     double_quant: bool = False,
     scale: float = 0.01,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    where: Any = None,
 ) -> PyTree:
     """Quantise every `eqx.nn.Linear` weight of `model` and give it a trainable
     low-rank update: QLoRA.
@@ -26,7 +30,8 @@ def qlora(
     `Int8Array`, or with `bits="nf4"` an `NF4Array`, as in the QLoRA paper).
     Products with it run on the quantised base (on CPU block by block, never
     dequantised whole; see `default_matmul`) plus the low-rank update; gradients
-    stop at the base. For other selections, call `quantize` and `loraify` yourself.
+    stop at the base. `where` selects other weights, as for `loraify` and
+    `quantize` (both get the same selection).
 
     **Arguments:**
 
@@ -35,6 +40,8 @@ def qlora(
     - `bits`, `group_size`, `double_quant`, `block_bytes`: as for
         `quaxlike.examples.quantized.quantize` (the paper's setting is
         `bits="nf4", double_quant=True`, groups of 64).
+    - `where`: which weights, in any form of `quaxlike.examples.selection` (by
+        default every `eqx.nn.Linear` weight); check it with `select(model, where)`.
 
     **Returns:**
 
@@ -56,5 +63,10 @@ def qlora(
         group_size=group_size,
         double_quant=double_quant,
         block_bytes=block_bytes,
+        where=where,
     )
-    return loraify(quantized, rank=rank, key=key, scale=scale)
+    if where is None:
+        return loraify(quantized, rank=rank, key=key, scale=scale)
+    # The same leaves, whatever the selection would make of the quantised ones.
+    chosen = set(select(model, where))
+    return loraify(quantized, rank=rank, key=key, scale=scale, where=lambda p, _: p in chosen)

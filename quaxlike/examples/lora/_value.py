@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 from jax import lax
-from jaxtyping import Array, ArrayLike, PRNGKeyArray
+from jaxtyping import ArrayLike, PRNGKeyArray
 
 import quaxlike
-from quaxlike.internal import ShapedArray
+
+from ._base import check_rank, check_weight, LowRankValue, shape_of
 
 
 _REFUSE_MSG = (
@@ -30,20 +31,9 @@ _BAD_WEIGHT_MSG = (
     "`(*batch, m, n)`; got {what}. For a vector (a bias, say) a low-rank update makes "
     "no sense: leave it out of `loraify(..., where=...)`."
 )
-_BAD_RANK_MSG = "LoraArray needs a positive integer `rank`; got {rank!r}."
-_NO_WEIGHT_MSG = (
-    "This LoraArray's weight `w` is missing (None where its arrays should be): it is "
-    "the trainable half of `partition(model)` (or of `eqx.partition`). Put the model "
-    "back together with `eqx.combine(trainable, frozen)` before calling it through "
-    "`quaxlike.quaxify`."
-)
 
 
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(x.shape) if hasattr(x, "shape") else tuple(np.shape(x))
-
-
-class LoraArray(quaxlike.ArrayValue):
+class LoraArray(LowRankValue):
     """A weight `W` plus a trainable low-rank update `A @ B`, as one array value.
 
     `W` has shape `(*batch, m, n)`, `A` has shape `(*batch, m, rank)` and `B` has
@@ -82,14 +72,7 @@ class LoraArray(quaxlike.ArrayValue):
         ```
     """
 
-    # W + A @ B is bilinear in (A, B): a tangent of the leaves is not a LoraArray.
-    structured_tangents: ClassVar[bool] = False
-
-    w: Array | quaxlike.ArrayValue
-    a: Array | quaxlike.ArrayValue
-    b: Array | quaxlike.ArrayValue
-    allow_materialise: bool = eqx.field(static=True)
-    stop_gradient: bool = eqx.field(static=True)
+    refuse_message: ClassVar[str] = _REFUSE_MSG
 
     def __init__(
         self,
@@ -101,65 +84,62 @@ class LoraArray(quaxlike.ArrayValue):
         stop_gradient: bool = True,
         key: PRNGKeyArray,
     ):
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
-            raise ValueError(_BAD_RANK_MSG.format(rank=rank))
-        if not isinstance(weight, (jax.Array, quaxlike.Value)):
-            weight = jnp.asarray(weight)
-        shape = _shape(weight)
-        if len(shape) < 2 or not jnp.issubdtype(weight.dtype, jnp.inexact):
-            raise ValueError(
-                _BAD_WEIGHT_MSG.format(what=f"an array of dtype {weight.dtype} and shape {shape}")
-            )
-        *batch, m, n = shape
+        rank = check_rank(LoraArray, rank)
+        weight = check_weight(weight, 2, _BAD_WEIGHT_MSG)
+        *batch, m, n = shape_of(weight)
         self.w = weight
         self.a, self.b = _initial_factors(
-            key, scale, tuple(batch), m, n, int(rank), np.dtype(weight.dtype)
+            key, scale, tuple(batch), m, n, rank, np.dtype(weight.dtype)
         )
         self.allow_materialise = allow_materialise
         self.stop_gradient = stop_gradient
 
-    @property
-    def rank(self) -> int:
-        """The rank of the update (the last dimension of `a`)."""
-        return _shape(self.a)[-1]
+    @classmethod
+    def from_factors(
+        cls,
+        w: Any,
+        a: Any,
+        b: Any,
+        *,
+        allow_materialise: bool = False,
+        stop_gradient: bool = True,
+    ) -> "LoraArray":
+        """A `LoraArray` with the given arrays, drawing nothing.
 
-    def aval(self) -> ShapedArray:
-        # Reads shapes and dtypes only: no operation enters a traced program.
-        try:
-            return ShapedArray(_shape(self.w), self.w.dtype)
-        except (AttributeError, TypeError) as error:
-            is_none = lambda x: x is None  # noqa: E731
-            if any(map(is_none, jax.tree_util.tree_leaves(self.w, is_leaf=is_none))):
-                raise TypeError(_NO_WEIGHT_MSG) from error
-            raise
+        **Arguments:**
 
-    def frozen_weight(self) -> Any:
-        """`W`, behind `lax.stop_gradient` when the weight is frozen."""
-        if not self.stop_gradient:
-            return self.w
-        if isinstance(self.w, quaxlike.Value):
-            # A Value stands for a function of its leaves, so stopping the
-            # gradient at every leaf stops it at the value, whatever the type
-            # (quantised, sparse, another LoRA), with no rule needed.
-            stop = lambda x: lax.stop_gradient(x) if eqx.is_array(x) else x  # noqa: E731
-            return jax.tree_util.tree_map(stop, self.w)
-        return lax.stop_gradient(self.w)
-
-    def materialise(self) -> Any:
-        if not self.allow_materialise:
-            raise RuntimeError(_REFUSE_MSG.format(shape=_shape(self.w)))
-        return self.dense()
-
-    def dense(self) -> Any:
-        """`W + A @ B` as a dense array, whatever `allow_materialise` says (it is what
-        `materialise()` builds when allowed). `W` is behind `lax.stop_gradient` when
-        the weight is frozen.
+        - `w`: the weight `W`, `(*batch, m, n)`.
+        - `a`: `(*batch, m, rank)`.
+        - `b`: `(*batch, rank, n)`.
+        - `allow_materialise`, `stop_gradient`: as for the constructor.
 
         **Returns:**
 
-        An array (or a Value, if `W` is one) of this LoraArray's shape and dtype.
+        A new `LoraArray`.
+
+        !!! example
+
+            ```python
+            w, a, b = jnp.ones((4, 3)), jnp.ones((4, 2)), jnp.zeros((2, 3))
+            lora = LoraArray.from_factors(w, a, b)
+            assert lora.rank == 2 and lora.shape == (4, 3)
+            ```
         """
-        return _dense(self.frozen_weight(), self.a, self.b)
+        *batch, m, n = shape_of(w)
+        rank = shape_of(a)[-1] if shape_of(a) else 0
+        if shape_of(a) != (*batch, m, rank) or shape_of(b) != (*batch, rank, n) or rank < 1:
+            raise ValueError(
+                f"LoraArray.from_factors: for a weight of shape {shape_of(w)}, `a` must "
+                f"have shape {(*batch, m)} + (rank,) and `b` {tuple(batch)} + (rank, {n}); "
+                f"got `a` {shape_of(a)} and `b` {shape_of(b)}."
+            )
+        return cls._from_fields(
+            w=w, a=a, b=b, allow_materialise=allow_materialise, stop_gradient=stop_gradient
+        )
+
+    def dense_from(self, w: Any, a: Any, b: Any) -> Any:
+        """`w + a @ b`."""
+        return _dense(w, a, b)
 
     def with_factors(self, w: Any, a: Any, b: Any) -> "LoraArray":
         """A copy with `w`, `a` and `b` replaced (shapes may change; the flags are

@@ -2,7 +2,6 @@
 
 import dataclasses
 import functools as ft
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -11,6 +10,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, ArrayLike, Float, Int8, PyTree, UInt8
 
+from ..selection import replace_selected
 from ._base import (
     as_float_matrix,
     check_block_bytes,
@@ -314,7 +314,7 @@ def quantize(
     bits: int | str = 8,
     group_size: int | None = None,
     double_quant: bool = False,
-    where: Callable[[PyTree], Any] | None = None,
+    where: Any = None,
     allow_materialise: bool = False,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     matmul: str | None = None,
@@ -336,8 +336,13 @@ def quantize(
         64); ignored for 8.
     - `double_quant`: for `bits="nf4"` only: quantise the groups' scales to 8 bits
         too (see `quantize_nf4`).
-    - `where`: instead of every `Linear` weight, the arrays this function selects
-        (as for `eqx.tree_at`: one array, or a list or tuple of them).
+    - `where`: instead of every `Linear` weight, the weights to quantise: any
+        selection of `quaxlike.examples.selection`, as `loraify` takes it (check
+        one with `select(model, where)`): a path pattern (`"layers.*.weight"`,
+        `"**.query_proj"`), a module type or `module(eqx.nn.Linear,
+        out_features=10)`, a predicate `(path, leaf) -> bool`, a getter returning
+        the arrays (as for `eqx.tree_at`: one array, or a list or tuple of them),
+        or a list of these.
     - `allow_materialise`, `matmul`: as for `Int8Array`, `Int4Array` and `NF4Array`.
     - `block_bytes`: the most bytes of dequantised weight a matrix product builds
         at a time (default 512 KiB). A matrix product dequantises its weight in
@@ -352,8 +357,8 @@ def quantize(
 
     **Raises:**
 
-    `ValueError` if `where` is not given and the model has no `eqx.nn.Linear`
-    (rather than returning it unchanged).
+    `ValueError` if `where` is not given and the model has no `eqx.nn.Linear`, or
+    `where` selects nothing (rather than returning the model unchanged).
 
     !!! example
 
@@ -380,12 +385,7 @@ def quantize(
         if not _linear_weights(model):
             raise ValueError(_NO_LINEAR_MSG.format(type_name=type(model).__qualname__))
         where = _linear_weights
-    selected = where(model)
-    if isinstance(selected, (list, tuple)):
-        replacement = type(selected)(make(w) for w in selected)
-    else:
-        replacement = make(selected)
-    return eqx.tree_at(where, model, replacement)
+    return replace_selected(model, where, make, "quantize")
 
 
 def dequantize(model: PyTree) -> PyTree:

@@ -1,0 +1,150 @@
+"""`LowRankValue`: what `LoraArray` and `LoraConvKernel` share.
+
+Both stand for a frozen weight `W` plus a trainable low-rank update built from two
+factors `A` and `B`, and differ only in how the factors are laid out (a matrix
+product for `LoraArray`, a 1x1 convolution after a kernel for `LoraConvKernel`).
+The fields, the checks on them, freezing `W` and refusing to materialise live here
+once; each subclass says how its update is laid out and built.
+"""
+
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, ArrayLike
+
+import quaxlike
+from quaxlike.internal import ShapedArray
+
+
+_BAD_RANK_MSG = "{cls} needs a positive integer `rank`; got {rank!r}."
+_NO_WEIGHT_MSG = (
+    "This {cls}'s weight `w` is missing (None where its arrays should be): it is "
+    "the trainable half of `partition(model)` (or of `eqx.partition`). Put the model "
+    "back together with `eqx.combine(trainable, frozen)` before calling it through "
+    "`quaxlike.quaxify`."
+)
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+    """The shape of an array, a Value or an array-like."""
+    return tuple(x.shape) if hasattr(x, "shape") else tuple(np.shape(x))
+
+
+def check_rank(cls: type, rank: Any) -> int:
+    """`rank` as an int, or a `ValueError` naming `cls` if it is not a positive integer."""
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
+        raise ValueError(_BAD_RANK_MSG.format(cls=cls.__name__, rank=rank))
+    return int(rank)
+
+
+def check_weight(
+    weight: ArrayLike | quaxlike.ArrayValue, min_ndim: int, message: str
+) -> Array | quaxlike.ArrayValue:
+    """`weight` as an array (or the Value it is), or a `ValueError` with `message`
+    (formatted with `what=`) unless it is floating-point with `min_ndim` dimensions."""
+    if not isinstance(weight, (jax.Array, quaxlike.Value)):
+        weight = jnp.asarray(weight)
+    shape = shape_of(weight)
+    if len(shape) < min_ndim or not jnp.issubdtype(weight.dtype, jnp.inexact):
+        raise ValueError(message.format(what=f"an array of dtype {weight.dtype} and shape {shape}"))
+    return weight
+
+
+class LowRankValue(quaxlike.ArrayValue):
+    """A frozen weight `w` plus a trainable low-rank update built from `a` and `b`.
+
+    The base of `LoraArray` and `LoraConvKernel`: it holds the three arrays and the
+    two flags, reads the value's shape and dtype from `w`, freezes `w` with
+    `frozen_weight()` and refuses to materialise unless `allow_materialise`. A
+    subclass sets `refuse_message` and defines `dense_from(w, a, b)`, how its
+    update is laid out.
+    """
+
+    # W + update(A, B) is bilinear in (A, B): a tangent of the leaves is not one.
+    structured_tangents: ClassVar[bool] = False
+    # Formatted with `shape=` when a primitive with no rule needs the dense array.
+    refuse_message: ClassVar[str] = "Refusing to materialise a {cls} of shape {shape}."
+
+    w: Array | quaxlike.ArrayValue
+    a: Array | quaxlike.ArrayValue
+    b: Array | quaxlike.ArrayValue
+    allow_materialise: bool = eqx.field(static=True)
+    stop_gradient: bool = eqx.field(static=True)
+
+    @property
+    def rank(self) -> int:
+        """The rank of the update (the last dimension of `a`)."""
+        return shape_of(self.a)[-1]
+
+    def aval(self) -> ShapedArray:
+        # Reads shapes and dtypes only: no operation enters a traced program.
+        try:
+            return ShapedArray(shape_of(self.w), self.w.dtype)
+        except (AttributeError, TypeError) as error:
+            is_none = lambda x: x is None  # noqa: E731
+            if any(map(is_none, jax.tree_util.tree_leaves(self.w, is_leaf=is_none))):
+                raise TypeError(_NO_WEIGHT_MSG.format(cls=type(self).__name__)) from error
+            raise
+
+    def frozen_weight(self) -> Any:
+        """`W`, behind `lax.stop_gradient` when the weight is frozen.
+
+        **Returns:**
+
+        `w` itself when `stop_gradient` is off. Otherwise a dense `w` behind
+        `lax.stop_gradient`, or a Value `w` with every array leaf behind it: a Value
+        stands for a function of its leaves, so stopping the gradient at every leaf
+        stops it at the value, whatever the type (quantised, sparse, another LoRA),
+        with no rule needed.
+        """
+        if not self.stop_gradient:
+            return self.w
+        if isinstance(self.w, quaxlike.Value):
+            stop = lambda x: lax.stop_gradient(x) if eqx.is_array(x) else x  # noqa: E731
+            return jax.tree_util.tree_map(stop, self.w)
+        return lax.stop_gradient(self.w)
+
+    def materialise(self) -> Any:
+        if not self.allow_materialise:
+            raise RuntimeError(
+                self.refuse_message.format(cls=type(self).__name__, shape=shape_of(self.w))
+            )
+        return self.dense()
+
+    def dense(self) -> Any:
+        """The dense array this value stands for, whatever `allow_materialise` says
+        (it is what `materialise()` builds when allowed). `W` is behind
+        `lax.stop_gradient` when the weight is frozen.
+
+        **Returns:**
+
+        An array (or a Value, if `W` is one) of this value's shape and dtype.
+        """
+        return self.dense_from(self.frozen_weight(), self.a, self.b)
+
+    def merged(self) -> Any:
+        """`W` plus the update as one array, with no `stop_gradient` at `W`: what
+        `merge` bakes into a model.
+
+        **Returns:**
+
+        An array (or a Value, if `W` is one) of this value's shape and dtype.
+        """
+        return self.dense_from(self.w, self.a, self.b)
+
+    def dense_from(self, w: Any, a: Any, b: Any) -> Any:
+        """`w` plus the update built from `a` and `b`, in this type's layout."""
+        raise NotImplementedError(f"{type(self).__name__} defines no `dense_from`.")
+
+    @classmethod
+    def _from_fields(cls, **fields: Any) -> Any:
+        # Equinox's own unflattening builds Modules this way: the fields are set
+        # directly, bypassing `__init__` (which would draw `a`).
+        self = object.__new__(cls)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+        return self
