@@ -73,6 +73,21 @@ def test_run_all_quick():
     _assert_tables(_run_quick(*TIMED), TABLES)
 
 
+def test_scale_quick():
+    # `scale.py` compiles its steps for shapes only; quick: a two-layer decoder.
+    out = _run_quick("scale")
+    _assert_tables(out, ("### Fine-tuning step at scale, tiny",))
+    rows = out.split("### Fine-tuning step at scale", 1)[1].strip().splitlines()[4:]
+    names = [row.split("|")[1].strip() for row in rows if row.startswith("| ")]
+    assert names == ["LoRA (loraify)", "hand-written LoRA", "QLoRA 4 bits", "QLoRA NF4"]
+    rows = [row for row in rows if row.startswith("| ")]
+    for row in rows[:3]:  # a peak in bytes, and trace and compile ratios
+        cells = [cell.strip() for cell in row.split("|")[1:-1]]
+        assert cells[2].endswith("iB") and float(cells[7]) > 0 and float(cells[9]) > 0
+    # NF4 is measured where `quantize` takes `bits="nf4"`, else reported as such.
+    assert "unavailable" in rows[3] or rows[3].split("|")[3].strip().endswith("iB")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
 def test_instructions_quick():

@@ -1,0 +1,651 @@
+"""One fine-tuning step of Llama-shaped decoders (1B and 8B parameters), compiled
+for shapes only: peak memory, arguments and temporaries of full fine-tuning,
+LoRA, QLoRA at 4 and 8 bits (and NF4 where available), and trace and compile
+time of quaxlike's LoRA against the same LoRA written by hand in plain JAX.
+
+The model is an Equinox decoder: a token embedding; `layers` decoder blocks
+stacked (every leaf with a leading layer axis, built with `eqx.filter_vmap`) and
+run with `lax.scan` over a `jax.checkpoint`ed block (the backward pass recomputes
+each block from its input, the only thing the scan saves per layer); each block
+an RMS norm, grouped-query attention with rotary position embeddings (`heads`
+query heads sharing `kv_heads` key/value heads), an RMS norm and a SwiGLU
+feed-forward layer; a final RMS norm and an output head. Every projection is an
+`eqx.nn.Linear` without bias; weights are bfloat16. Loss: the mean cross-entropy
+of the next token over a batch of 1 x `seq` tokens (`jax.vmap`); one
+`optax.adam` step (`value_and_grad` of the trainable parameters, the update,
+`eqx.apply_updates`), its trainable parameters and optimiser state donated.
+
+The arguments are abstract (`jax.ShapeDtypeStruct`s, from
+`eqx.filter_eval_shape`): nothing of the model is ever allocated, the step is
+only traced (`jax.jit(...).trace`), lowered and compiled, and
+`memory_analysis()` of the compiled step gives its memory.
+
+- full fine-tuning: every leaf trainable (adam state in bfloat16, like them);
+- LoRA: `loraify(model, rank=16)`, trainable factors (`partition`), run with
+  `quaxlike.quaxify`;
+- hand-written LoRA: each `Linear` replaced by a plain-JAX module holding `W`,
+  `A`, `B` and computing `x @ stop_gradient(W).T + (x @ B.T) @ A.T`, as
+  `LoraArray`'s rule does;
+- QLoRA: `qlora(model, bits=4, group_size=64, rank=16)` and `bits=8`, and
+  `bits="nf4"` where `quantize` accepts it (otherwise the row says so).
+
+Peak is `quaxlike.demo.peak_bytes`: arguments + outputs + temporaries - aliased
+(the donated state is aliased to the outputs, so peak is about arguments +
+temporaries). Trace time is `jax.jit(step).trace(...)`, compile time `.lower()`
+and `.compile()` of the traced step; both are single samples (compiling the 8B
+model takes seconds to minutes), against the hand-written LoRA.
+
+With `--dump DIR`, XLA writes each program's buffer assignment to DIR (the
+variant named by `--dump-variant`, QLoRA 4 bits by default) and the script
+prints the largest temporaries it holds.
+
+Run: `python benchmarks/scale.py [--quick] [--models 1b 8b] [--dump DIR]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import _harness as h
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import optax
+from jax import lax
+
+import quaxlike
+from quaxlike.examples.lora import LoraArray, loraify, partition, qlora
+from quaxlike.examples.quantized import quantize
+
+
+RANK = 16
+GROUP = 64
+QLORA4_TARGET = 6.5 * 2**30  # bytes: the QLoRA 4-bit step at 8B
+TIME_TARGET = 1.10  # trace and compile time, LoRA against the hand-written LoRA
+BASELINE = "hand-written LoRA"
+LORA = "LoRA (loraify)"
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A decoder's shape."""
+
+    name: str
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    hidden: int
+    vocab: int
+    seq: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+
+SHAPES = {
+    # Mistral-7B / Llama-2-7B-shaped (with grouped-query attention): 7.24 B parameters.
+    "8b": Shape(
+        "8B", dim=4096, layers=32, heads=32, kv_heads=8, hidden=14336, vocab=32000, seq=2048
+    ),
+    # TinyLlama-1.1B-shaped: 1.10 B parameters.
+    "1b": Shape(
+        "1B", dim=2048, layers=22, heads=32, kv_heads=4, hidden=5632, vocab=32000, seq=2048
+    ),
+    # The smoke test's.
+    "tiny": Shape("tiny", dim=128, layers=2, heads=4, kv_heads=2, hidden=256, vocab=256, seq=32),
+}
+
+
+# --- the model -----------------------------------------------------------------
+
+
+class HandLora(eqx.Module):
+    """A `Linear`'s weight `W` (frozen) and LoRA factors `A: (out, r)`, `B: (r, in)`,
+    in plain JAX."""
+
+    w: jax.Array
+    a: jax.Array
+    b: jax.Array
+
+
+def project(linear: Any, x):
+    """`x @ W.T` for a bias-free `eqx.nn.Linear` (whatever its weight is: an array, a
+    `LoraArray`, a quantised array), or `x @ stop_gradient(W).T + (x @ B.T) @ A.T` for
+    a `HandLora`, the order in which `LoraArray`'s rule computes it."""
+    if isinstance(linear, HandLora):
+        return x @ lax.stop_gradient(linear.w).T + (x @ linear.b.T) @ linear.a.T
+    return x @ linear.weight.T
+
+
+def rms_norm(x, weight, eps: float = 1e-5):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return x32.astype(x.dtype) * weight
+
+
+def rotary(x, cos, sin):
+    """Rotary position embedding of `x: (seq, heads, head_dim)`, halves rotated."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def attention(q, k, v, start):
+    """Causal grouped-query attention of the queries `q: (n, kv_heads, group, head_dim)`
+    at positions `start, ..., start + n - 1` over `k, v: (seq, kv_heads, head_dim)`:
+    `(n, kv_heads, group, head_dim)`. Scores and softmax in float32."""
+    n, seq = q.shape[0], k.shape[0]
+    scores = jnp.einsum("tkgh,skh->kgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
+    causal = (start + jnp.arange(n))[:, None] >= jnp.arange(seq)[None, :]
+    scores = jnp.where(causal, scores, jnp.float32(-1e30))
+    weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("kgts,skh->tkgh", weights, v)
+
+
+class Block(eqx.Module):
+    """A decoder block: attention and SwiGLU feed-forward, each after an RMS norm."""
+
+    attention_norm: jax.Array
+    query: Any
+    key: Any
+    value: Any
+    output: Any
+    mlp_norm: jax.Array
+    gate: Any
+    up: Any
+    down: Any
+    heads: int = eqx.field(static=True)
+    kv_heads: int = eqx.field(static=True)
+
+    def __init__(self, shape: Shape, key):
+        d, kv = shape.dim, shape.kv_heads * shape.head_dim
+        keys = jr.split(key, 7)
+        linear = lambda i, o, k: eqx.nn.Linear(i, o, use_bias=False, dtype=jnp.bfloat16, key=k)  # noqa: E731
+        self.attention_norm = jnp.ones(d, jnp.bfloat16)
+        self.query = linear(d, d, keys[0])
+        self.key = linear(d, kv, keys[1])
+        self.value = linear(d, kv, keys[2])
+        self.output = linear(d, d, keys[3])
+        self.mlp_norm = jnp.ones(d, jnp.bfloat16)
+        self.gate = linear(d, shape.hidden, keys[4])
+        self.up = linear(d, shape.hidden, keys[5])
+        self.down = linear(shape.hidden, d, keys[6])
+        self.heads, self.kv_heads = shape.heads, shape.kv_heads
+
+    def __call__(self, x, cos, sin, chunk: int = 0, mlp_chunk: int = 0):
+        """`x: (seq, dim)` through the block; `chunk`: queries per attention step,
+        `mlp_chunk`: positions per feed-forward step (0: all at once)."""
+        seq, d = x.shape
+        head_dim = d // self.heads
+        group = self.heads // self.kv_heads
+        h = rms_norm(x, self.attention_norm)
+        q = rotary(project(self.query, h).reshape(seq, self.heads, head_dim), cos, sin)
+        k = rotary(project(self.key, h).reshape(seq, self.kv_heads, head_dim), cos, sin)
+        v = project(self.value, h).reshape(seq, self.kv_heads, head_dim)
+        q = q.reshape(seq, self.kv_heads, group, head_dim)
+        if not chunk or chunk >= seq:
+            attended = attention(q, k, v, 0)
+        else:
+            # Query chunks one after another, each under `jax.checkpoint`: the
+            # backward pass recomputes a chunk's scores rather than keeping them.
+            chunks = q.reshape(seq // chunk, chunk, *q.shape[1:])
+            starts = jnp.arange(0, seq, chunk)
+            step = jax.checkpoint(lambda c: attention(c[0], k, v, c[1]))
+            attended = lax.map(step, (chunks, starts))
+        x = x + project(self.output, attended.reshape(seq, d))
+        h = rms_norm(x, self.mlp_norm)
+
+        def mlp(h):
+            return project(self.down, jax.nn.silu(project(self.gate, h)) * project(self.up, h))
+
+        if not mlp_chunk or mlp_chunk >= seq:
+            return x + mlp(h)
+        # Positions a chunk at a time, each under `jax.checkpoint`, as attention.
+        chunks = h.reshape(seq // mlp_chunk, mlp_chunk, d)
+        return x + lax.map(jax.checkpoint(mlp), chunks).reshape(seq, d)
+
+
+class Decoder(eqx.Module):
+    """A Llama-shaped decoder over a sequence of token ids: next-token logits."""
+
+    embedding: jax.Array
+    blocks: Block  # stacked: every leaf has a leading axis of `layers`
+    norm: jax.Array
+    head: Any
+    attention_chunk: int = eqx.field(static=True)
+    loss_chunk: int = eqx.field(static=True)
+    mlp_chunk: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        shape: Shape,
+        key,
+        *,
+        attention_chunk: int = 0,
+        loss_chunk: int = 0,
+        mlp_chunk: int = 0,
+    ):
+        k_embed, k_blocks, k_head = jr.split(key, 3)
+        self.embedding = jr.normal(k_embed, (shape.vocab, shape.dim), jnp.bfloat16)
+        make = eqx.filter_vmap(lambda k: Block(shape, k))
+        self.blocks = make(jr.split(k_blocks, shape.layers))
+        self.norm = jnp.ones(shape.dim, jnp.bfloat16)
+        self.head = eqx.nn.Linear(
+            shape.dim, shape.vocab, use_bias=False, dtype=jnp.bfloat16, key=k_head
+        )
+        self.attention_chunk, self.loss_chunk = attention_chunk, loss_chunk
+        self.mlp_chunk = mlp_chunk
+
+    def hidden(self, tokens):
+        """The final hidden states `(seq, dim)` of `tokens: (seq,)`."""
+        x = self.embedding[tokens]
+        seq, d = x.shape
+        head_dim = d // self.blocks.heads
+        frequencies = 10000.0 ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+        angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * frequencies[None, :]
+        cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+        @jax.checkpoint
+        def block(x, leaves):
+            return eqx.combine(leaves, static)(
+                x, cos, sin, self.attention_chunk, self.mlp_chunk
+            ), None
+
+        x, _ = lax.scan(block, x, dynamic)
+        return rms_norm(x, self.norm)
+
+    def loss(self, tokens, targets):
+        """The mean cross-entropy of `targets` under the logits at `tokens`."""
+        hidden = self.hidden(tokens)
+        seq = hidden.shape[0]
+        chunk = self.loss_chunk if 0 < self.loss_chunk < seq else seq
+
+        def losses(h, y):  # the summed cross-entropy at some positions
+            logits = project(self.head, h).astype(jnp.float32)
+            picked = jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0]
+            return jnp.sum(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+        if chunk == seq:
+            return losses(hidden, targets) / seq
+        # The logits of `chunk` positions at a time, each chunk under
+        # `jax.checkpoint`: the backward pass recomputes them rather than keeping
+        # all of them.
+        step = jax.checkpoint(lambda total, c: (total + losses(*c), None))
+        chunks = (hidden.reshape(seq // chunk, chunk, -1), targets.reshape(seq // chunk, chunk))
+        total, _ = lax.scan(step, jnp.float32(0), chunks)
+        return total / seq
+
+
+# --- the variants ----------------------------------------------------------------
+
+
+def _is_linear(x) -> bool:
+    return isinstance(x, eqx.nn.Linear)
+
+
+def hand_lora(model: Decoder) -> Decoder:
+    """`model`, loraified, with each `Linear` over a `LoraArray` replaced by a
+    `HandLora` holding the same `W`, `A` and `B`: the same model in plain JAX."""
+
+    def plain(x):
+        if _is_linear(x) and isinstance(x.weight, LoraArray):
+            return HandLora(x.weight.w, x.weight.a, x.weight.b)
+        return x
+
+    return jax.tree_util.tree_map(plain, model, is_leaf=_is_linear)
+
+
+def hand_trainable(model) -> Any:
+    is_hand = lambda x: isinstance(x, HandLora)  # noqa: E731
+    spec = jax.tree_util.tree_map(
+        lambda x: HandLora(False, True, True) if is_hand(x) else False, model, is_leaf=is_hand
+    )
+    return eqx.partition(model, spec)
+
+
+def nf4_available() -> bool:
+    """Whether `quantize` accepts `bits="nf4"` (added on another branch)."""
+    try:
+        quantize(eqx.nn.Linear(64, 2, use_bias=False, key=jr.key(0)), bits="nf4", group_size=64)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _full(model, key):
+    return eqx.partition(model, eqx.is_inexact_array)
+
+
+def _quaxlike_loss(trainable, frozen, tokens, targets):
+    model = eqx.combine(trainable, frozen)
+    return jnp.mean(
+        jax.vmap(quaxlike.quaxify(lambda m, t, y: m.loss(t, y)), (None, 0, 0))(
+            model, tokens, targets
+        )
+    )
+
+
+def _plain_loss(trainable, frozen, tokens, targets):
+    model = eqx.combine(trainable, frozen)
+    return jnp.mean(jax.vmap(lambda t, y: model.loss(t, y))(tokens, targets))
+
+
+# name: (build (model, key) -> (trainable, frozen), loss)
+VARIANTS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "full fine-tuning": (_full, _plain_loss),
+    LORA: (
+        lambda m, k: partition(loraify(m, rank=RANK, key=k)),
+        _quaxlike_loss,
+    ),
+    BASELINE: (lambda m, k: hand_trainable(hand_lora(loraify(m, rank=RANK, key=k))), _plain_loss),
+    "QLoRA 4 bits": (
+        lambda m, k: partition(qlora(m, bits=4, group_size=GROUP, rank=RANK, key=k)),
+        _quaxlike_loss,
+    ),
+    "QLoRA 8 bits": (
+        lambda m, k: partition(qlora(m, bits=8, rank=RANK, key=k)),
+        _quaxlike_loss,
+    ),
+    "QLoRA NF4": (
+        lambda m, k: partition(qlora(m, bits="nf4", group_size=GROUP, rank=RANK, key=k)),
+        _quaxlike_loss,
+    ),
+}
+
+
+def abstract_state(shape: Shape, build, optimiser, memory: dict | None = None):
+    """`(trainable, opt_state, frozen)` as `jax.ShapeDtypeStruct`s, and the number of
+    parameters of the dense model (nothing is allocated)."""
+
+    def make(key):
+        model = Decoder(shape, key, **(memory or {}))
+        trainable, frozen = build(model, jr.fold_in(key, 1))
+        return trainable, optimiser.init(trainable), frozen
+
+    dense = eqx.filter_eval_shape(Decoder, shape, jr.key(0))
+    return eqx.filter_eval_shape(make, jr.key(0)), h.n_params(dense)
+
+
+@dataclasses.dataclass
+class Result:
+    peak: int
+    arguments: int
+    temporaries: int
+    outputs: int
+    aliased: int
+    trace_s: float
+    compile_s: float
+    trainable: int
+
+
+def tracer(shape: Shape, name: str, optimiser, memory: dict | None = None):
+    """`(trace, state)`: `trace()` traces a new `jax.jit` of the step `name` (a new
+    function, so that no cache of JAX's answers for it) on the abstract `state`."""
+    build, loss = VARIANTS[name]
+    state, _ = abstract_state(shape, build, optimiser, memory)
+    tokens = jax.ShapeDtypeStruct((1, shape.seq), jnp.int32)
+
+    def trace():
+        step = jax.jit(h.training_step(optimiser, loss), donate_argnums=(0, 1))
+        return step.trace(*state, tokens, tokens)
+
+    return trace, state
+
+
+def measure(
+    shape: Shape,
+    name: str,
+    optimiser,
+    dump: str | None = None,
+    memory: dict | None = None,
+    compiler_options: dict | None = None,
+) -> Result:
+    trace, state = tracer(shape, name, optimiser, memory)
+    start = time.perf_counter()
+    traced = trace()
+    trace_s = time.perf_counter() - start
+    start = time.perf_counter()
+    options = dict(compiler_options or {})
+    if dump:
+        options.update(xla_dump_to=dump, xla_dump_hlo_as_text=True)
+    compiled = traced.lower().compile(compiler_options=options or None)
+    compile_s = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    return Result(
+        peak=h.peak_bytes(compiled),
+        arguments=memory.argument_size_in_bytes,
+        temporaries=memory.temp_size_in_bytes,
+        outputs=memory.output_size_in_bytes,
+        aliased=memory.alias_size_in_bytes,
+        trace_s=trace_s,
+        compile_s=compile_s,
+        trainable=h.n_params(state[0]),
+    )
+
+
+# --- XLA's buffer assignment -------------------------------------------------------
+
+_LIVE = re.compile(r"^\s+(\S+?)\{[\d,]*\}: (\d+) bytes")
+_DEFINITION = re.compile(r"^\s+%(\S+) = (\S+\[[\d,]*\])")
+
+
+def live_at_peak(directory: str, count: int = 24) -> list[tuple[int, str]]:
+    """The `count` largest buffers live at the peak of the newest program XLA dumped
+    to `directory` (its `*live-range.txt`, `Live ranges at ... (peak)`): `(bytes,
+    "name shape")`, arguments included."""
+    files = sorted(glob.glob(os.path.join(directory, "*live-range.txt")), key=os.path.getmtime)
+    if not files:
+        return []
+    live: list[tuple[int, str]] = []
+    with open(files[-1]) as f:
+        at_peak = False
+        for line in f:
+            if "(peak):" in line:
+                at_peak = True
+            elif at_peak:
+                match = _LIVE.match(line)
+                if not match:
+                    break
+                live.append((int(match.group(2)), match.group(1)))
+    shapes = {}
+    program = files[-1].replace("-live-range.txt", ".txt")
+    if os.path.exists(program):
+        with open(program) as f:
+            for line in f:
+                match = _DEFINITION.match(line)
+                if match:
+                    shapes.setdefault(match.group(1), match.group(2))
+    live.sort(key=lambda x: -x[0])
+    return [(size, f"{name} {shapes.get(name, '')}".strip()) for size, name in live[:count]]
+
+
+# --- main --------------------------------------------------------------------------
+
+# The row measured on the model as first written (every position at once), to show
+# what chunking buys.
+WHOLE = "QLoRA 4 bits, unchunked model"
+
+
+def chunks_for(shape: Shape, args) -> dict[str, int]:
+    """The chunk sizes for `shape`: the command line's, or an eighth, a quarter and
+    an eighth of the tiny model's sequence."""
+    if shape.name == "tiny":
+        return dict(
+            attention_chunk=shape.seq // 8, mlp_chunk=shape.seq // 4, loss_chunk=shape.seq // 8
+        )
+    return dict(
+        attention_chunk=args.attention_chunk, mlp_chunk=args.mlp_chunk, loss_chunk=args.loss_chunk
+    )
+
+
+def same_results(memory: dict[str, int]) -> bool:
+    """Whether, on the tiny model with random factors, quaxlike's LoRA step and the
+    hand-written one give the same loss and gradients, and the chunked model the
+    loss of the unchunked one."""
+    shape = SHAPES["tiny"]
+    key = jr.key(3)
+    tokens = jr.randint(key, (1, shape.seq), 0, shape.vocab)
+    targets = jnp.roll(tokens, -1, axis=1)
+    model = h.random_b(loraify(Decoder(shape, jr.key(0), **memory), rank=RANK, key=jr.key(1)))
+    whole = dataclasses.replace(model, attention_chunk=0, mlp_chunk=0, loss_chunk=0)
+    quax = eqx.filter_jit(jax.value_and_grad(_quaxlike_loss))(*partition(model), tokens, targets)
+    hand = eqx.filter_jit(jax.value_and_grad(_plain_loss))(
+        *hand_trainable(hand_lora(model)), tokens, targets
+    )
+    whole_loss = eqx.filter_jit(_quaxlike_loss)(*partition(whole), tokens, targets)
+    close = lambda a, b: bool(jnp.allclose(a, b, rtol=2e-2, atol=2e-3))  # noqa: E731 (bfloat16)
+    grads_q = [x for x in jax.tree_util.tree_leaves(quax[1]) if eqx.is_array(x)]
+    grads_h = [x for x in jax.tree_util.tree_leaves(hand[1]) if eqx.is_array(x)]
+    return (
+        close(quax[0], hand[0])
+        and close(quax[0], whole_loss)
+        and len(grads_q) == len(grads_h)
+        and all(
+            close(q.astype(jnp.float32), p.astype(jnp.float32)) for q, p in zip(grads_q, grads_h)
+        )
+    )
+
+
+def main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (the smoke test)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="interleaved trace timings of LoRA and hand (5)"
+    )
+    parser.add_argument("--cold", action="store_true", help="ignored")
+    parser.add_argument("--models", nargs="+", choices=("1b", "8b"), default=("1b", "8b"))
+    rows = (*VARIANTS, WHOLE)
+    parser.add_argument("--only", nargs="+", choices=rows, help="these rows only")
+    parser.add_argument("--attention-chunk", type=int, default=256, help="queries per step")
+    parser.add_argument("--mlp-chunk", type=int, default=512, help="positions per step")
+    parser.add_argument("--loss-chunk", type=int, default=256, help="positions per step")
+    parser.add_argument("--dump", help="a folder for XLA's dump of --dump-row's program")
+    parser.add_argument("--dump-row", default="QLoRA 4 bits", choices=rows)
+    args = parser.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 5
+    shapes = [SHAPES["tiny"]] if args.quick else [SHAPES[m] for m in args.models]
+    nf4 = nf4_available()
+    names = [n for n in rows if not args.only or n in args.only]
+    if args.quick and not args.only:  # the smoke test: fewer programs to compile
+        names = [n for n in names if n not in ("full fine-tuning", "QLoRA 8 bits", WHOLE)]
+    optimiser = optax.adam(1e-4)
+    tiny = chunks_for(SHAPES["tiny"], args)
+
+    h.print_header(
+        "scale: one compiled fine-tuning step of Llama-shaped decoders, shapes only",
+        args,
+        [
+            "decoder: embedding, stacked blocks under lax.scan + jax.checkpoint (grouped-query "
+            "attention with rotary embeddings, SwiGLU), RMS norms, output head; bfloat16 "
+            f"weights; batch 1 x seq; LoRA rank {RANK} on every Linear (head included); "
+            f"QLoRA 4 bits with group size {GROUP}; optax.adam, trainable state donated",
+            "attention, feed-forward layer and cross-entropy a chunk of positions at a time, "
+            "each chunk under jax.checkpoint (chunk sizes in each table's title), except in "
+            f"the row '{WHOLE}'",
+            "peak = arguments + outputs + temporaries - aliased (memory_analysis()); "
+            "compile time: one sample each; trace time of LoRA and the hand-written LoRA: "
+            "medians of interleaved samples (--repeats), of the others one sample",
+            f"NF4 (quantize(bits='nf4')): {'available' if nf4 else 'not available in this checkout'}",
+            "tiny model, random factors: quaxlike's LoRA step and the hand-written one give the "
+            "same loss and gradients, and the chunked model the unchunked one's loss: "
+            f"{same_results(tiny)}",
+        ],
+    )
+    for shape in shapes:
+        dense = h.n_params(eqx.filter_eval_shape(Decoder, shape, jr.key(0)))
+        memory = chunks_for(shape, args)
+        results: dict[str, Result | None] = {}
+        for name in names:
+            if name == "QLoRA NF4" and not nf4:
+                results[name] = None
+                continue
+            dump = args.dump if name == args.dump_row else None
+            variant, options = (name, memory) if name != WHOLE else ("QLoRA 4 bits", None)
+            results[name] = measure(shape, variant, optimiser, dump, options)
+            sys.stdout.flush()
+        paired = None
+        if args.repeats and {LORA, BASELINE} <= set(names):
+            # Trace time again, interleaved (as the other scripts time): medians.
+            lora_trace, _ = tracer(shape, LORA, optimiser, memory)
+            hand_trace, _ = tracer(shape, BASELINE, optimiser, memory)
+            paired = h.interleaved(lambda: hand_trace, lambda: lora_trace, args.repeats)
+            results[LORA].trace_s = paired.quax_median
+            results[BASELINE].trace_s = paired.plain_median
+        chunks = ", ".join(f"{k.removesuffix('_chunk')} {v}" for k, v in memory.items())
+        table = h.Table(
+            f"Fine-tuning step at scale, {shape.name} "
+            f"(d={shape.dim}, {shape.layers} layers, {dense / 1e9:.2f} B params, seq {shape.seq}; "
+            f"chunks: {chunks})",
+            [
+                "step",
+                "trainable",
+                "peak",
+                "arguments",
+                "temporaries",
+                "outputs - aliased",
+                "trace",
+                "trace / hand",
+                "compile",
+                "compile / hand",
+            ],
+        )
+        base = results.get(BASELINE)
+        for name, r in results.items():
+            if r is None:
+                table.add(name, *["unavailable"] + ["-"] * 8)
+                continue
+            ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
+            table.add(
+                name,
+                f"{r.trainable / 1e6:,.1f} M",
+                h.fmt_bytes(r.peak),
+                h.fmt_bytes(r.arguments),
+                h.fmt_bytes(r.temporaries),
+                h.fmt_bytes(r.outputs - r.aliased),
+                h.fmt_time(r.trace_s),
+                ratio(r.trace_s, base.trace_s) if base else "-",
+                h.fmt_time(r.compile_s),
+                ratio(r.compile_s, base.compile_s) if base else "-",
+            )
+        notes = []
+        q4, lora = results.get("QLoRA 4 bits"), results.get(LORA)
+        if q4 is not None and shape.name == "8B":
+            notes.append(
+                f"QLoRA 4 bits peak {h.fmt_bytes(q4.peak)}: target ≤ {QLORA4_TARGET / GIB:.1f} GiB "
+                f"({'ok' if q4.peak <= QLORA4_TARGET else 'over'})"
+            )
+        if lora is not None and base is not None:
+            worst = max(lora.trace_s / base.trace_s, lora.compile_s / base.compile_s)
+            spread = f" (trace paired IQR {paired.spread()})" if paired else ""
+            notes.append(
+                f"LoRA trace and compile / hand-written: {h.at_most(worst, TIME_TARGET)}{spread}"
+            )
+        table.print(notes)
+        if args.dump:
+            print(
+                f"Largest buffers live at the peak of {args.dump_row} ({shape.name}), from {args.dump}:"
+            )
+            for size, name in live_at_peak(args.dump):
+                print(f"- {h.fmt_bytes(size)}: {name}")
+            print()
+
+
+if __name__ == "__main__":
+    main()
