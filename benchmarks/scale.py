@@ -15,6 +15,13 @@ of the next token over a batch of 1 x `seq` tokens (`jax.vmap`); one
 `optax.adam` step (`value_and_grad` of the trainable parameters, the update,
 `eqx.apply_updates`), its trainable parameters and optimiser state donated.
 
+Attention, the feed-forward layer and the cross-entropy each run over a chunk
+of positions at a time (`--attention-chunk 256`, `--mlp-chunk 512`,
+`--loss-chunk 256`), each chunk under `jax.checkpoint`, so that the backward
+pass holds one chunk's scores, activations or logits rather than the whole
+sequence's. The row "QLoRA 4 bits, unchunked model" is the same step with every
+position at once, as the model is usually first written.
+
 The arguments are abstract (`jax.ShapeDtypeStruct`s, from
 `eqx.filter_eval_shape`): nothing of the model is ever allocated, the step is
 only traced (`jax.jit(...).trace`), lowered and compiled, and
@@ -23,29 +30,35 @@ only traced (`jax.jit(...).trace`), lowered and compiled, and
 - full fine-tuning: every leaf trainable (adam state in bfloat16, like them);
 - LoRA: `loraify(model, rank=16)`, trainable factors (`partition`), run with
   `quaxlike.quaxify`;
-- hand-written LoRA: each `Linear` replaced by a plain-JAX module holding `W`,
-  `A`, `B` and computing `x @ stop_gradient(W).T + (x @ B.T) @ A.T`, as
-  `LoraArray`'s rule does;
+- hand-written LoRA: each `Linear` replaced by a plain-JAX module holding the
+  same `W`, `A`, `B` and computing `x @ stop_gradient(W).T + (x @ B.T) @ A.T`,
+  as `LoraArray`'s rule does;
 - QLoRA: `qlora(model, bits=4, group_size=64, rank=16)` and `bits=8`, and
-  `bits="nf4"` where `quantize` accepts it (otherwise the row says so).
+  `bits="nf4"` (with `double_quant=True` where `qlora` takes it) where
+  `quantize` accepts it (otherwise the row says "unavailable").
 
 Peak is `quaxlike.demo.peak_bytes`: arguments + outputs + temporaries - aliased
 (the donated state is aliased to the outputs, so peak is about arguments +
 temporaries). Trace time is `jax.jit(step).trace(...)`, compile time `.lower()`
-and `.compile()` of the traced step; both are single samples (compiling the 8B
-model takes seconds to minutes), against the hand-written LoRA.
+and `.compile()` of the traced step, against the hand-written LoRA: compile
+time one sample (compiling the 8B model takes a minute or more), trace time of
+LoRA and the hand-written LoRA the median of `--repeats` interleaved samples.
+Before any of it, the tiny model checks that quaxlike's LoRA step and the
+hand-written one give the same loss and gradients, and the chunked model the
+unchunked one's loss.
 
-With `--dump DIR`, XLA writes each program's buffer assignment to DIR (the
-variant named by `--dump-variant`, QLoRA 4 bits by default) and the script
-prints the largest temporaries it holds.
+With `--dump DIR`, XLA dumps the program of the row `--dump-row` (QLoRA 4 bits
+by default) to DIR, and the script lists the largest buffers live at its peak
+(from XLA's `*live-range.txt`), arguments included.
 
-Run: `python benchmarks/scale.py [--quick] [--models 1b 8b] [--dump DIR]`.
+Run: `python benchmarks/scale.py [--quick] [--models 8b 1b] [--dump DIR]`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import inspect
 import os
 import re
 import sys
@@ -72,6 +85,7 @@ QLORA4_TARGET = 6.5 * 2**30  # bytes: the QLoRA 4-bit step at 8B
 TIME_TARGET = 1.10  # trace and compile time, LoRA against the hand-written LoRA
 BASELINE = "hand-written LoRA"
 LORA = "LoRA (loraify)"
+NF4 = "QLoRA NF4"
 GIB = 2**30
 
 
@@ -326,6 +340,13 @@ def nf4_available() -> bool:
     return True
 
 
+def _nf4_options() -> dict[str, Any]:
+    """Double quantisation of the scales (the QLoRA paper's NF4), where `qlora`
+    takes it."""
+    parameters = inspect.signature(qlora).parameters
+    return {"double_quant": True} if "double_quant" in parameters else {}
+
+
 def _full(model, key):
     return eqx.partition(model, eqx.is_inexact_array)
 
@@ -360,8 +381,10 @@ VARIANTS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
         lambda m, k: partition(qlora(m, bits=8, rank=RANK, key=k)),
         _quaxlike_loss,
     ),
-    "QLoRA NF4": (
-        lambda m, k: partition(qlora(m, bits="nf4", group_size=GROUP, rank=RANK, key=k)),
+    NF4: (
+        lambda m, k: partition(
+            qlora(m, bits="nf4", group_size=GROUP, rank=RANK, key=k, **_nf4_options())
+        ),
         _quaxlike_loss,
     ),
 }
@@ -500,8 +523,10 @@ def same_results(memory: dict[str, int]) -> bool:
     key = jr.key(3)
     tokens = jr.randint(key, (1, shape.seq), 0, shape.vocab)
     targets = jnp.roll(tokens, -1, axis=1)
-    model = h.random_b(loraify(Decoder(shape, jr.key(0), **memory), rank=RANK, key=jr.key(1)))
-    whole = dataclasses.replace(model, attention_chunk=0, mlp_chunk=0, loss_chunk=0)
+    model, whole = (
+        h.random_b(loraify(Decoder(shape, jr.key(0), **chunks), rank=RANK, key=jr.key(1)))
+        for chunks in (memory, {})
+    )
     quax = eqx.filter_jit(jax.value_and_grad(_quaxlike_loss))(*partition(model), tokens, targets)
     hand = eqx.filter_jit(jax.value_and_grad(_plain_loss))(
         *hand_trainable(hand_lora(model)), tokens, targets
@@ -529,7 +554,7 @@ def main(argv=None):
         "--repeats", type=int, default=None, help="interleaved trace timings of LoRA and hand (5)"
     )
     parser.add_argument("--cold", action="store_true", help="ignored")
-    parser.add_argument("--models", nargs="+", choices=("1b", "8b"), default=("1b", "8b"))
+    parser.add_argument("--models", nargs="+", choices=("8b", "1b"), default=("8b", "1b"))
     rows = (*VARIANTS, WHOLE)
     parser.add_argument("--only", nargs="+", choices=rows, help="these rows only")
     parser.add_argument("--attention-chunk", type=int, default=256, help="queries per step")
@@ -562,7 +587,8 @@ def main(argv=None):
             "peak = arguments + outputs + temporaries - aliased (memory_analysis()); "
             "compile time: one sample each; trace time of LoRA and the hand-written LoRA: "
             "medians of interleaved samples (--repeats), of the others one sample",
-            f"NF4 (quantize(bits='nf4')): {'available' if nf4 else 'not available in this checkout'}",
+            f"NF4 (quantize(bits='nf4'), qlora options {_nf4_options()}): "
+            f"{'available' if nf4 else 'not available in this checkout'}",
             "tiny model, random factors: quaxlike's LoRA step and the hand-written one give the "
             "same loss and gradients, and the chunked model the unchunked one's loss: "
             f"{same_results(tiny)}",
@@ -573,7 +599,7 @@ def main(argv=None):
         memory = chunks_for(shape, args)
         results: dict[str, Result | None] = {}
         for name in names:
-            if name == "QLoRA NF4" and not nf4:
+            if name == NF4 and not nf4:
                 results[name] = None
                 continue
             dump = args.dump if name == args.dump_row else None
@@ -585,7 +611,9 @@ def main(argv=None):
             # Trace time again, interleaved (as the other scripts time): medians.
             lora_trace, _ = tracer(shape, LORA, optimiser, memory)
             hand_trace, _ = tracer(shape, BASELINE, optimiser, memory)
-            paired = h.interleaved(lambda: hand_trace, lambda: lora_trace, args.repeats)
+            paired = h.interleaved(
+                lambda: hand_trace, lambda: lora_trace, args.repeats, warmup=0 if args.quick else 1
+            )
             results[LORA].trace_s = paired.quax_median
             results[BASELINE].trace_s = paired.plain_median
         chunks = ", ".join(f"{k.removesuffix('_chunk')} {v}" for k, v in memory.items())

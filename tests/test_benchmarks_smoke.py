@@ -36,7 +36,7 @@ TIMED = (
 )
 
 
-def _run_quick(*scripts: str) -> str:
+def _run_quick(*scripts: str, timeout: int = 600) -> str:
     # The suite's own settings (checked mode, set by conftest.py) are not passed on:
     # the scripts run as a user would run them.
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUAXLIKE_")}
@@ -55,7 +55,7 @@ def _run_quick(*scripts: str) -> str:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
@@ -74,8 +74,9 @@ def test_run_all_quick():
 
 
 def test_scale_quick():
-    # `scale.py` compiles its steps for shapes only; quick: a two-layer decoder.
-    out = _run_quick("scale")
+    # `scale.py` compiles its steps for shapes only; quick: a two-layer decoder, still
+    # seven compilations (a few minutes on a loaded two-core machine).
+    out = _run_quick("scale", timeout=1800)
     _assert_tables(out, ("### Fine-tuning step at scale, tiny",))
     rows = out.split("### Fine-tuning step at scale", 1)[1].strip().splitlines()[4:]
     names = [row.split("|")[1].strip() for row in rows if row.startswith("| ")]
