@@ -59,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import inspect
+import math
 import os
 import re
 import sys
@@ -400,7 +401,15 @@ def abstract_state(shape: Shape, build, optimiser, memory: dict | None = None):
         return trainable, optimiser.init(trainable), frozen
 
     dense = eqx.filter_eval_shape(Decoder, shape, jr.key(0))
-    return eqx.filter_eval_shape(make, jr.key(0)), h.n_params(dense)
+    return eqx.filter_eval_shape(make, jr.key(0)), n_params(dense)
+
+
+def n_params(tree) -> int:
+    """The number of parameters in `tree`'s arrays or `jax.ShapeDtypeStruct`s."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return sum(
+        math.prod(x.shape) for x in leaves if isinstance(x, jax.ShapeDtypeStruct | jax.Array)
+    )
 
 
 @dataclasses.dataclass
@@ -456,7 +465,7 @@ def measure(
         aliased=memory.alias_size_in_bytes,
         trace_s=trace_s,
         compile_s=compile_s,
-        trainable=h.n_params(state[0]),
+        trainable=n_params(state[0]),
     )
 
 
@@ -595,7 +604,7 @@ def main(argv=None):
         ],
     )
     for shape in shapes:
-        dense = h.n_params(eqx.filter_eval_shape(Decoder, shape, jr.key(0)))
+        dense = n_params(eqx.filter_eval_shape(Decoder, shape, jr.key(0)))
         memory = chunks_for(shape, args)
         results: dict[str, Result | None] = {}
         for name in names:
