@@ -412,6 +412,10 @@ def n_params(tree) -> int:
     )
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.1f} M" if n >= 1e5 else f"{n:,}"
+
+
 @dataclasses.dataclass
 class Result:
     peak: int
@@ -628,7 +632,7 @@ def main(argv=None):
         chunks = ", ".join(f"{k.removesuffix('_chunk')} {v}" for k, v in memory.items())
         table = h.Table(
             f"Fine-tuning step at scale, {shape.name} "
-            f"(d={shape.dim}, {shape.layers} layers, {dense / 1e9:.2f} B params, seq {shape.seq}; "
+            f"(d={shape.dim}, {shape.layers} layers, {_count(dense)} params, seq {shape.seq}; "
             f"chunks: {chunks})",
             [
                 "step",
@@ -651,7 +655,7 @@ def main(argv=None):
             ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
             table.add(
                 name,
-                f"{r.trainable / 1e6:,.1f} M",
+                _count(r.trainable),
                 h.fmt_bytes(r.peak),
                 h.fmt_bytes(r.arguments),
                 h.fmt_bytes(r.temporaries),
