@@ -27,6 +27,7 @@ SCRIPTS = (
     "quantized",
     "qlora",
     "depth_scaling",
+    "scale",
     "instructions",
 )
 HERE = os.path.dirname(os.path.abspath(__file__))

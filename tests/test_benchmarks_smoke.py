@@ -36,7 +36,7 @@ TIMED = (
 )
 
 
-def _run_quick(*scripts: str) -> str:
+def _run_quick(*scripts: str, timeout: int = 600) -> str:
     # The suite's own settings (checked mode, set by conftest.py) are not passed on:
     # the scripts run as a user would run them.
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUAXLIKE_")}
@@ -55,7 +55,7 @@ def _run_quick(*scripts: str) -> str:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
@@ -71,6 +71,27 @@ def _assert_tables(out: str, titles) -> None:
 
 def test_run_all_quick():
     _assert_tables(_run_quick(*TIMED), TABLES)
+
+
+def test_scale_quick():
+    # `scale.py` compiles its steps for shapes only; quick: a two-layer decoder, still
+    # seven compilations (a few minutes on a loaded two-core machine).
+    out = _run_quick("scale", timeout=1800)
+    assert out.count("- CPU: ") == 1
+    title = "### Fine-tuning step at scale, tiny"
+    assert title in out, f"missing table {title!r}"
+    lines = out.split(title, 1)[1].splitlines()[2:]  # the rest of the title, a blank
+    assert lines[0].startswith("| step") and set(lines[1]) <= set("|-"), lines[:2]
+    rows = [row for row in lines[2:] if row.startswith("| ")]
+    names = [row.split("|")[1].strip() for row in rows]
+    assert names == ["LoRA (loraify)", "hand-written LoRA", "QLoRA 4 bits", "QLoRA NF4"]
+    for row in rows[:3]:  # a peak in bytes, and trace and compile ratios
+        cells = [cell.strip() for cell in row.split("|")[1:-1]]
+        assert cells[2].endswith("B") and float(cells[7]) > 0 and float(cells[9]) > 0
+    # NF4 is measured where `quantize` takes `bits="nf4"`, else reported as such.
+    assert "unavailable" in rows[3] or rows[3].split("|")[3].strip().endswith("B")
+    # The tiny model's check that LoRA, the hand-written LoRA and chunking agree.
+    assert "the chunked model the unchunked one's loss: True" in out
 
 
 @pytest.mark.slow
