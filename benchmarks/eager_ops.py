@@ -440,9 +440,7 @@ def main(argv=None):
     for case in cases:
         fns = _warm(case)
         if "quaxlike" in fns:
-            same = np.allclose(
-                _result_array(fns["quaxlike"]()), fns[PLAIN](), rtol=1e-4, atol=1e-4
-            )
+            same = np.allclose(_result_array(fns["quaxlike"]()), fns[PLAIN](), rtol=1e-4, atol=1e-4)
             if not same:
                 print(f"- {case.name}: quaxlike's result differs from plain JAX's")
         times = _time(fns, 1 if case.ops > 1 else calls, args.repeats)
