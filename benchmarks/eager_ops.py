@@ -194,7 +194,6 @@ def build_cases(libs: list[impls.Impl], ops: int) -> list[Case]:
         lora_plain = _lora_parts(h.random_b(libs[0].lora(w, RANK, key)))
     W, A, B = lora_plain
     lora_hand = _lora_hand(W, A, B)
-    w_dense = W + A @ B
     units_scale = 1000.0 if any(lib.units[-1] == "km" for lib in libs) else 1.0
 
     rows = [
@@ -202,7 +201,13 @@ def build_cases(libs: list[impls.Impl], ops: int) -> list[Case]:
         ("nested add", "nested `quaxify(quaxify(add))`, MyArray", add, (x, y), None),
         ("zero add", "`Zero + array`", add, (jnp.zeros_like(x), x), None),
         ("unitful mul", "`Unitful * Unitful`", mul, (x, y), 4.0),
-        ("fallback sin", "materialising fallback `sin(lora)`", jnp.sin, (w_dense,), None),
+        (
+            "fallback sin",
+            "materialising fallback `sin(lora)`",
+            lambda W, A, B: jnp.sin(W + A @ B),
+            (W, A, B),
+            None,
+        ),
         (
             "lora dot_general",
             "LoRA `dot_general(lora, w)`",
@@ -330,29 +335,32 @@ def _callgrind(*command: str) -> None:
     )
 
 
-def _measure(cases: list[Case], samples: int) -> None:
-    """Inside Valgrind: run each cell `samples` times between two callgrind
-    dumps, the second named `c<case>:<column>`."""
+def _measure(cases: list[Case], samples: int, calls: int) -> None:
+    """Inside Valgrind: run each cell between two callgrind dumps, the second
+    named `c<case>:<runs>:<column>`: `samples` runs for the loop cases, `samples *
+    calls` for the others (one operation is too few instructions to stand out
+    from the cost of a dump)."""
     import gc
 
-    prepared = [(i, _warm(case)) for i, case in enumerate(cases)]
+    prepared = [(i, case, _warm(case)) for i, case in enumerate(cases)]
     gc.collect()
     gc.freeze()
     _callgrind("--instr=on")
     _callgrind("--dump=start")
     for i in range(3):
         _callgrind(f"--dump=empty:{i}")
-    for index, fns in prepared:
+    for index, case, fns in prepared:
+        runs = samples if case.ops > 1 else samples * calls
         for column, fn in fns.items():
             _callgrind("--dump=skip")
-            for _ in range(samples):
+            for _ in range(runs):
                 out = fn()
             jax.block_until_ready(_result_array(out))
-            _callgrind(f"--dump=c{index}:{column.replace(' ', '_')}")
+            _callgrind(f"--dump=c{index}:{runs}:{column.replace(' ', '_')}")
     _callgrind("--instr=off")
 
 
-def _count(argv: list[str], samples: int) -> dict[tuple[int, str], float] | None:
+def _count(argv: list[str]) -> dict[tuple[int, str], float] | None:
     """Instructions per call of every cell, from a child process run under
     callgrind (`None` if Valgrind is missing)."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
@@ -384,11 +392,10 @@ def _count(argv: list[str], samples: int) -> dict[tuple[int, str], float] | None
     overhead = statistics.median(empty) if empty else 0
     counts = {}
     for name, n in totals.items():
-        match = re.fullmatch(r"c(\d+):(.+)", name)
+        match = re.fullmatch(r"c(\d+):(\d+):(.+)", name)
         if match:
-            counts[(int(match.group(1)), match.group(2).replace("_", " "))] = (
-                n - overhead
-            ) / samples
+            index, runs, column = match.groups()
+            counts[(int(index), column.replace("_", " "))] = (n - overhead) / int(runs)
     return counts
 
 
@@ -426,7 +433,7 @@ def main(argv=None):
     libs, note = _libs(own.impl)
     cases = build_cases(libs, ops)
     if child:
-        _measure(cases, samples=1 if args.quick else 2)
+        _measure(cases, samples=1 if args.quick else 2, calls=calls)
         return
 
     notes = [
@@ -449,7 +456,7 @@ def main(argv=None):
 
     if own.instructions:
         child_argv = [a for a in argv if a != "--instructions"]
-        counts = _count(child_argv, samples=1 if args.quick else 2)
+        counts = _count(child_argv)
         if counts is None:
             print("Instructions not counted: valgrind and callgrind_control not found.\n")
             return
