@@ -1,6 +1,7 @@
 """Smoke test of `benchmarks/`: every script runs in `--quick` mode and prints its
 table. Structural only: nothing here looks at a measured number."""
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -111,3 +112,45 @@ def test_instructions_quick():
             float(cell.strip().removesuffix(" M")) for cell in row.split("|")[3:5]
         )
         assert baseline > 0 and quaxlike > 0
+
+
+def test_forwarding_trace_matches_plain():
+    """`benchmarks/_eager_impls.forward` (the floor column of `eager_ops.py`) binds
+    every primitive unchanged: its results are plain JAX's, bit for bit."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from _eager_impls import forward
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+
+    x = jnp.arange(16.0, dtype=jnp.float32)
+    w = jnp.ones((16, 16), jnp.float32) / 4
+
+    def f(a, b):
+        return jnp.sum(jnp.sin(a @ b + a) ** 2)
+
+    np.testing.assert_array_equal(forward(f)(x, w), f(x, w))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("quax") is None, reason="needs quax (0.4.6) installed beside quaxlike"
+)
+def test_eager_ops_beside_quax():
+    """`eager_ops.py --impl both` runs Quax's column beside quaxlike's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUAXLIKE_")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    result = subprocess.run(
+        [sys.executable, os.path.join("benchmarks", "eager_ops.py"), "--quick", "--impl", "both"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _assert_tables(result.stdout, ("### Eager per-op cost",))
+    header = result.stdout.split("### Eager per-op cost", 1)[1].strip().splitlines()[0]
+    assert "| quax " in header and "| quaxlike " in header, header
