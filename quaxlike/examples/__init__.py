@@ -1,5 +1,5 @@
 """Ready-made Value types. Each lives in its own subpackage with a README
-describing it: `lora`, `zero`, `constant`, `interval`, `quantized`, `sparse`, `structured`,
+describing it: `lora`, `zero`, `constant`, `hijax` (needs JAX's hijax API), `interval`, `quantized`, `sparse`, `structured`,
 `structured_matrices`, `named`, `unitful` and `prng` (for example
 `quaxlike.examples.lora`). Each is imported on first use, as in Quax."""
 
@@ -8,6 +8,7 @@ import importlib
 
 _NAMES = (
     "constant",
+    "hijax",
     "interval",
     "lora",
     "named",
