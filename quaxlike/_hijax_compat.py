@@ -48,6 +48,15 @@ class HijaxUnavailableError(JaxCompatibilityError, ImportError):
 
     An `ImportError` (so `pytest.importorskip` and `try: import` treat it as a
     missing optional feature) and a `quaxlike.JaxCompatibilityError`.
+
+    !!! example
+
+        ```python
+        try:
+            import quaxlike.experimental.hijax
+        except HijaxUnavailableError as error:
+            print(error)  # names the installed JAX and the releases that work
+        ```
     """
 
 

@@ -76,13 +76,18 @@ class HiValue(ArrayValue):
     !!! example
 
         ```python
-        class Unitful(HiValue):
-            def __init__(self, array, units=()):
-                self.leaf = array if isinstance(array, UnitfulArray) else wrap(array, units)
+        from quaxlike.examples.hijax import UnitfulArray, wrap
+        from quaxlike.examples.unitful import meters
 
-            @property
-            def units(self):
-                return jax.typeof(self.leaf).units
+
+        class Length(HiValue):
+            def __init__(self, array):
+                # a tracer of the leaf's type is a UnitfulArray too: keep it
+                self.leaf = array if isinstance(array, UnitfulArray) else wrap(array, meters)
+
+
+        x = Length(jnp.array([1.0, 2.0]))
+        assert x.shape == (2,) and type(x.aval()) is jax.core.ShapedArray
         ```
     """
 
@@ -146,13 +151,25 @@ def register_rules(cls: type[HiValue], rules: Mapping[Any, Callable[..., Any]], 
     !!! example
 
         ```python
+        from jax import lax
+        from quaxlike.examples.hijax import int_pow, mul, UnitfulArray, wrap
+        from quaxlike.examples.unitful import meters
+
+
+        class Length(HiValue):
+            def __init__(self, array):
+                self.leaf = array if isinstance(array, UnitfulArray) else wrap(array, meters)
+
+
         register_rules(
-            Unitful,
+            Length,
             {
                 lax.mul_p: mul,  # mul(x, y): no parameters wanted
-                lax.integer_pow_p: lambda q, *, y: int_pow(q, y),
+                lax.integer_pow_p: lambda q, *, y: int_pow(q, y),  # wants `y`
             },
         )
+        area = quaxlike.quaxify(lambda a: 2.0 * a**2)(Length(jnp.array([3.0])))
+        assert jax.typeof(area.leaf).units == ((meters, 2),)
         ```
     """
     for primitive, fn in rules.items():

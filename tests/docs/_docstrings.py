@@ -21,21 +21,27 @@ import traceback
 import warnings
 
 
-PACKAGES = ["quaxlike", "quaxlike.internal"] + [
-    f"quaxlike.examples.{name}"
-    for name in (
-        "constant",
-        "lora",
-        "named",
-        "prng",
-        "quantized",
-        "sparse",
-        "structured",
-        "structured_matrices",
-        "unitful",
-        "zero",
-    )
-]
+PACKAGES = (
+    ["quaxlike", "quaxlike.internal"]
+    + [
+        f"quaxlike.examples.{name}"
+        for name in (
+            "constant",
+            "hijax",
+            "interval",
+            "lora",
+            "named",
+            "prng",
+            "quantized",
+            "sparse",
+            "structured",
+            "structured_matrices",
+            "unitful",
+            "zero",
+        )
+    ]
+    + ["quaxlike.experimental.hijax"]
+)
 
 PREAMBLE = """\
 import equinox as eqx

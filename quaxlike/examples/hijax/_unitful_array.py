@@ -53,6 +53,15 @@ class UnitfulArray(metaclass=_IsUnitfulArray):
 
     - `array`: the numbers.
     - `units`: a `Units` tuple.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import meters
+
+        q = wrap(jnp.array([1.0, 2.0]), meters)
+        assert isinstance(q, UnitfulArray) and q.units == ((meters, 1),)
+        ```
     """
 
     array: Any
@@ -64,8 +73,26 @@ class UnitfulArray(metaclass=_IsUnitfulArray):
 
 @dataclasses.dataclass(frozen=True)
 class UnitfulArraySpec(MappingSpec):
-    """The `vmap` spec of a `UnitfulArray`: mapped over its leading axis (the only
-    way to map one; it carries no data). `MAPPED` is the spec for a `Unitful`."""
+    """The `vmap` spec of a `UnitfulArray`: mapped over its leading axis.
+
+    That is the only way to map one, so the spec carries no data. `MAPPED` is
+    the spec for a `Unitful`.
+
+    **Arguments:**
+
+    None.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import meters
+
+        qs = wrap(jnp.ones((3, 2)), meters)
+        out = jax.vmap(lambda q: mul(q, q), in_axes=UnitfulArraySpec(),
+                       out_axes=UnitfulArraySpec(), axis_size=3)(qs)
+        assert jax.typeof(out).shape == (3, 2)
+        ```
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +103,16 @@ class UnitfulArrayTy(HiType):
 
     - `shape`, `dtype`: those of the array.
     - `units`: a `Units` tuple.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import meters
+
+        ty = jax.typeof(wrap(jnp.ones(3), meters))
+        assert isinstance(ty, UnitfulArrayTy) and str(ty) == "u[3]{m}"
+        assert ty.to_ct_aval().units == ((meters, -1),)
+        ```
     """
 
     shape: tuple[int, ...]
@@ -412,38 +449,159 @@ def wrap(x: Any, units: Any = (), /) -> UnitfulArray:
     **Returns:**
 
     The `UnitfulArray`.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import meters, seconds
+
+        v = wrap(jnp.array([3.0]), {meters: 1, seconds: -1})
+        assert str(jax.typeof(v)) == "u[1]{m s^-1}"
+        ```
     """
     x = jnp.asarray(x)
     return _Wrap(jax.typeof(x), to_units(units))(x)
 
 
 def unwrap(q: Any, /) -> Any:
-    """The array of a `UnitfulArray`, without its units."""
+    """The array of a `UnitfulArray`, without its units.
+
+    **Arguments:**
+
+    - `q`: a `UnitfulArray`.
+
+    **Returns:**
+
+    The plain array.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import meters
+
+        q = wrap(jnp.array([1.0, 2.0]), meters)
+        assert jnp.array_equal(unwrap(q), jnp.array([1.0, 2.0]))
+        ```
+    """
     return _Unwrap(jax.typeof(q))(q)
 
 
 def add(x: Any, y: Any, /) -> UnitfulArray:
-    """`x + y` for operands of the same units (`TypeError` otherwise)."""
+    """`x + y` for operands of the same units (`TypeError` otherwise).
+
+    **Arguments:**
+
+    - `x`, `y`: `UnitfulArray`s of the same units (or plain arrays, if both are dimensionless).
+
+    **Returns:**
+
+    A `UnitfulArray` in those units.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import meters
+
+        q = wrap(jnp.array([1.0, 2.0]), meters)
+        assert jnp.array_equal(unwrap(add(q, q)), jnp.array([2.0, 4.0]))
+        ```
+    """
     return _Add(jax.typeof(x), jax.typeof(y))(x, y)
 
 
 def mul(x: Any, y: Any, /) -> UnitfulArray:
-    """`x * y`; either may be a plain array (dimensionless)."""
+    """`x * y`; either may be a plain array (dimensionless).
+
+    **Arguments:**
+
+    - `x`, `y`: `UnitfulArray`s or plain arrays; a scalar broadcasts.
+
+    **Returns:**
+
+    A `UnitfulArray` whose units are the product.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import meters
+
+        q = wrap(jnp.array([1.0, 2.0]), meters)
+        assert jax.typeof(mul(q, q)).units == ((meters, 2),)
+        ```
+    """
     return _Mul(jax.typeof(x), jax.typeof(y))(x, y)
 
 
 def int_pow(q: Any, y: int, /) -> UnitfulArray:
-    """`q ** y` for a static integer `y`, units included."""
+    """`q ** y` for a static integer `y`, units included.
+
+    **Arguments:**
+
+    - `q`: a `UnitfulArray`.
+    - `y`: a Python integer.
+
+    **Returns:**
+
+    A `UnitfulArray` in the units to the power `y`.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import meters
+
+        q = wrap(jnp.array([2.0]), meters)
+        assert jax.typeof(int_pow(q, 3)).units == ((meters, 3),)
+        ```
+    """
     return _IntPow(jax.typeof(q), int(y))(q)
 
 
 def sum(q: Any, axes: Sequence[int] | None = None, /) -> UnitfulArray:  # noqa: A001
-    """The sum over `axes` (every axis when `None`); the units are kept."""
+    """The sum over `axes` (every axis when `None`); the units are kept.
+
+    **Arguments:**
+
+    - `q`: a `UnitfulArray`.
+    - `axes`: the axes to sum over, or `None` for all.
+
+    **Returns:**
+
+    A `UnitfulArray` in the same units.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import meters
+
+        q = wrap(jnp.array([1.0, 2.0]), meters)
+        assert unwrap(sum(q)) == 3.0
+        ```
+    """
     if axes is None:
         axes = builtins.range(len(jax.typeof(q).shape))
     return _Sum(jax.typeof(q), tuple(axes))(q)
 
 
 def broadcast_in_dim(q: Any, shape: Sequence[int], dims: Sequence[int], /) -> UnitfulArray:
-    """`lax.broadcast_in_dim` for a `UnitfulArray`; the units are kept."""
+    """`lax.broadcast_in_dim` for a `UnitfulArray`; the units are kept.
+
+    **Arguments:**
+
+    - `q`: a `UnitfulArray`.
+    - `shape`: the shape of the result.
+    - `dims`: for each axis of `q`, the axis of the result it becomes.
+
+    **Returns:**
+
+    A `UnitfulArray` of that shape, in the same units.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import meters
+
+        q = wrap(jnp.array([1.0, 2.0]), meters)
+        assert jax.typeof(broadcast_in_dim(q, (3, 2), (1,))).shape == (3, 2)
+        ```
+    """
     return _BroadcastInDim(jax.typeof(q), tuple(shape), tuple(dims))(q)

@@ -26,6 +26,15 @@ def to_units(units: Any) -> Units:
     **Returns:**
 
     The `Units` tuple.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import meters, seconds
+
+        assert to_units({seconds: -1, meters: 1}) == ((meters, 1), (seconds, -1))
+        assert to_units({meters: 0}) == ()
+        ```
     """
     if isinstance(units, Dimension):
         pairs = [(units, 1)]
