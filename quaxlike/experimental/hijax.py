@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.core
 from jaxtyping import ArrayLike
 
 from .. import _hijax_compat as hc
