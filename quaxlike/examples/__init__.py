@@ -1,13 +1,17 @@
 """Ready-made Value types. Each lives in its own subpackage with a README
-describing it: `lora`, `zero`, `constant`, `quantized`, `sparse`, `structured`,
-`structured_matrices`, `named`, `unitful` and `prng` (for example
-`quaxlike.examples.lora`). Each is imported on first use, as in Quax."""
+describing it: `lora`, `zero`, `constant`, `hijax` (needs JAX's hijax API),
+`interval`, `quantized`, `sparse`, `structured`, `structured_matrices`, `named`,
+`unitful` and `prng` (for example `quaxlike.examples.lora`), and `selection`, the
+language that picks the weights an adapter or quantiser replaces. Each is
+imported on first use, as in Quax."""
 
 import importlib
 
 
 _NAMES = (
     "constant",
+    "hijax",
+    "interval",
     "lora",
     "named",
     "prng",

@@ -20,23 +20,15 @@ import sys
 import traceback
 import warnings
 
+from quaxlike import _hijax_compat, examples as _examples
 
+
+# Every example module but `hijax`, which needs JAX's high-level types (below).
 PACKAGES = ["quaxlike", "quaxlike.internal"] + [
-    f"quaxlike.examples.{name}"
-    for name in (
-        "constant",
-        "lora",
-        "named",
-        "prng",
-        "quantized",
-        "selection",
-        "sparse",
-        "structured",
-        "structured_matrices",
-        "unitful",
-        "zero",
-    )
+    f"quaxlike.examples.{name}" for name in _examples._NAMES if name != "hijax"
 ]
+if _hijax_compat.AVAILABLE:  # JAX's high-level types: JAX 0.9.2 and later
+    PACKAGES += ["quaxlike.examples.hijax", "quaxlike.experimental.hijax"]
 
 PREAMBLE = """\
 import equinox as eqx
