@@ -56,11 +56,11 @@ class Recorder:
         self.records: list[Record] = []
         self._open: list[Record] = []
 
-    def open(self, primitive, values) -> Record:
+    def open(self, primitive: str, arg_types: tuple[str, ...]) -> Record:
+        """Open the record of `primitive` (a name) applied to arguments described
+        by `arg_types`, inside the record open now, if any."""
         inside = self._open[-1].primitive if self._open else None
-        from ._values import describe  # (_values imports this module)
-
-        record = Record(primitive.name, tuple(map(describe, values)), inside)
+        record = Record(primitive, arg_types, inside)
         (self._open[-1].children if self._open else self.records).append(record)
         self._open.append(record)
         return record

@@ -426,32 +426,14 @@ def plan_for(primitive: jc.Primitive, values: Sequence[Any], kinds: tuple | None
         return plan
 
 
-def dispatch(
-    primitive: jc.Primitive,
-    values: Sequence[Any],
-    params: dict[str, Any],
-    *,
-    name_scopes: bool = False,
-):
-    """Apply `primitive` to `values` using the registered rules: `(output,
-    method)`, as `Plan.apply`.
-
-    Order: the matching rules, most specific first (a rule returning
-    `NotImplemented` hands over to the next); then the single overridden
-    `default` among the Values' types; then materialise and bind.
-    """
-    values = tuple(values)
-    return plan_for(primitive, values).apply(primitive, values, params, name_scopes=name_scopes)
-
-
 def _scope_name(fn) -> str:
     return "quaxlike:" + rule_name(fn, qualified=False).replace("<locals>.", "")
 
 
-def default_description(primitive: jc.Primitive, values: Sequence[Any]) -> str:
-    """Which `default` handled `primitive` on `values`: `Value.default` (which
-    materialises) or a type's own override."""
-    default = plan_for(primitive, values).default
+def default_description(plan: Plan) -> str:
+    """Which `default` ends `plan`: `Value.default` (which materialises) or a
+    type's own override."""
+    default = plan.default
     if default is Value.default:
         return "default"
     return "default of " + getattr(default, "__qualname__", "a Value type").rsplit(".", 1)[0]

@@ -80,14 +80,17 @@ def split_arrays(tree, is_array: Callable[[Any], bool] = eqx.is_array) -> SplitT
 
 
 class StagedCall:
-    """`fn(*args)` as one `jax.jit` over the array leaves of `args`, for one
+    """`fn(*args)` as one `jax.jit` (or another `transform` of functions of
+    arrays, such as `jax.checkpoint`) over the array leaves of `args`, for one
     structure and set of non-array leaves of the arguments (a `SplitTree`).
 
     Its owner keys it on the avals of the array leaves too, so it is traced
     once and the structure of its output, recorded then, never changes.
     """
 
-    def __init__(self, fn: Callable, name: str, split: SplitTree, **jit_options):
+    def __init__(
+        self, fn: Callable, name: str, split: SplitTree, transform: Callable = jax.jit, **options
+    ):
         self.out_split: SplitTree | None = None
         structure = split.structure()
 
@@ -97,7 +100,7 @@ class StagedCall:
             return out_split.arrays
 
         run.__name__ = run.__qualname__ = name
-        self.jitted = jax.jit(run, **jit_options)
+        self.jitted = transform(run, **options)
 
     def __call__(self, arrays):
         out_arrays = self.jitted(*arrays)

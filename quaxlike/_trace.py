@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from . import _instrument, _jax_compat as jc, _sub_programs
 from ._diagnostics import messages, QuaxlikeError, rule_location, rule_name
 from ._rules import default_description, dispatch_kind, Plan, plan_for
-from ._values import checked_aval, is_value, Value
+from ._values import checked_aval, describe, is_value, Value
 
 
 class QuaxTracer(jc.Tracer):
@@ -103,7 +103,11 @@ class QuaxTrace(jc.Trace):
         """Apply `plan` under the parent trace, as rules run, and wrap what it
         returns (recording it under `explain`, checking it in checked mode)."""
         recorder = _instrument.recorder.get() if self.observing else None
-        record = recorder.open(primitive, values) if recorder is not None else None
+        record = (
+            recorder.open(primitive.name, tuple(map(describe, values)))
+            if recorder is not None
+            else None
+        )
         try:
             with jc.set_current_trace(self.parent_trace):
                 out, rule = plan.apply(
@@ -117,7 +121,7 @@ class QuaxTrace(jc.Trace):
                 record.rule = rule_name(rule)
                 record.location = rule_location(rule)
             else:
-                record.default_owner = default_description(primitive, values)
+                record.default_owner = default_description(plan)
         outputs = self._wrap_outputs(out, primitive, rule)
         if self.checking:
             self._check(primitive, tracers, params, outputs, rule)
