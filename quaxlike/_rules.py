@@ -10,7 +10,7 @@ methods match and which is more specific, and cache the result as a `Plan` per
 A `Plan` is everything the trace (and every shortcut beside it) needs to know
 about one primitive applied to one combination of argument kinds: the matching
 rules in order, the `default` that ends the chain, whether the chosen rule only
-runs a sub-program (so the trace may run it in place), and whether dispatch
+runs a sub-program (and the shortcut it owns), and whether dispatch
 would do nothing but materialise. Nothing outside this module predicts what
 dispatch will do; it reads the plan. Caches elsewhere that depend on the rules
 subscribe with `on_rules_changed`.
@@ -304,16 +304,19 @@ def _default_owner(cls: type) -> type:
     return Value
 
 
-def sub_program_rule(jaxpr_of: Callable[[dict], tuple]) -> Callable[[_Rule], _Rule]:
+def sub_program_rule(
+    jaxpr_of: Callable[[dict], tuple], shortcut: Callable[..., Any]
+) -> Callable[[_Rule], _Rule]:
     """Mark a rule as one that runs a sub-program held in its primitive's params
     (`jit`, `closed_call`): `jaxpr_of(params)` gives `(closed_jaxpr, inlines)`,
     the sub-program and whether the rule runs it in place (as JAX inlines
     `jax.numpy`'s `jit`s), or `(None, False)` when the rule does something else
-    for these params. The trace may then run the sub-program's equations itself
-    instead of calling the rule (see `_sub_programs`)."""
+    for these params. `shortcut(trace, primitive, plan, tracers, values, kinds,
+    params)` is the rule's own faster way to the same result, given the trace
+    that meets the call, or `NotImplemented` (see `_higher_order/_jit.py`)."""
 
     def mark(rule: _Rule) -> _Rule:
-        rule.__quaxlike_sub_program__ = jaxpr_of  # pyright: ignore[reportFunctionMemberAccess]
+        rule.__quaxlike_sub_program__ = (jaxpr_of, shortcut)  # pyright: ignore[reportFunctionMemberAccess]
         return rule
 
     return mark
@@ -328,22 +331,23 @@ class Plan:
     - `default`: what runs when every rule in the chain hands over: a type's own
         `default`, `Value.default` (materialise and bind), or a function raising
         `ConflictingDefaultsError`.
-    - `sub_program`: the chosen rule's `jaxpr_of(params) -> (closed_jaxpr,
-        inlines)` (see `sub_program_rule`), or `None`.
+    - `sub_program`, `shortcut`: the chosen rule's `jaxpr_of` and `shortcut`
+        (see `sub_program_rule`), or `None`.
     - `only_materialises`: no rule matches and the default is `Value.default`.
     """
 
-    __slots__ = ("chain", "default", "sub_program", "only_materialises")
+    __slots__ = ("chain", "default", "sub_program", "shortcut", "only_materialises")
 
     def __init__(self, chain: list, default: Callable):
         self.chain = tuple(chain)
         self.default = default
         first = chain[0] if chain else None
-        self.sub_program = (
+        marked = (
             getattr(first[0].implementation, "__quaxlike_sub_program__", None)
             if isinstance(first, tuple)
             else None
         )
+        self.sub_program, self.shortcut = marked or (None, None)
         self.only_materialises = not chain and default is Value.default
 
     @property

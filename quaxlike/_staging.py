@@ -118,10 +118,14 @@ class CompiledCalls:
         self._calls: dict[Hashable, StagedCall] = {}
         on_rules_changed(self._calls.clear)
 
-    def get(self, key: Hashable, make: Callable[[], StagedCall]) -> StagedCall:
-        """The call cached under `key`, made with `make()` the first time.
-        Raises `TypeError` if `key` cannot be hashed."""
-        call = self._calls.get(key)
+    def get(self, key: Hashable, make: Callable[[], StagedCall]) -> StagedCall | None:
+        """The call cached under `key`, made with `make()` the first time, or
+        `None` if `key` cannot be hashed (a non-array leaf or a param that
+        cannot: the caller then runs uncached)."""
+        try:
+            call = self._calls.get(key)
+        except TypeError:
+            return None
         if call is None:
             if len(self._calls) >= self.max_size:
                 self._calls.clear()
@@ -129,11 +133,18 @@ class CompiledCalls:
         return call
 
 
-def compiled_calls_apply() -> bool:
-    """Whether a cached compiled call may stand in for running the rules:
-    under a "warn" or "error" `materialise_policy` and under `explain`, every
-    call is traced, so that every fallback is reported and recorded."""
-    return _policy.current_mode() == "allow" and _instrument.recorder.get() is None
+def shortcuts_apply(observing: bool | None = None) -> bool:
+    """Whether a shortcut may stand in for running the rules one by one (a
+    cached compiled call, inlining a sub-program, materialising at a call): the
+    one predicate every shortcut reads. Not while `explain` records, since
+    every rule must run to be recorded (`observing`: whether a recorder was on
+    when the trace asking was created; by default, whether one is on now), and
+    not under a "warn" or "error" `materialise_policy`, which must see every
+    fallback where it happens (read at each call, so that a policy entered
+    inside a quaxified function applies from there on)."""
+    if observing is None:
+        observing = _instrument.recorder.get() is not None
+    return not observing and _policy.current_mode() == "allow"
 
 
 def cached_rule(rule: _Rule) -> _Rule:
@@ -192,23 +203,18 @@ def cached_rule(rule: _Rule) -> _Rule:
 
     @ft.wraps(rule)
     def run_cached(*args, **params):
-        if not compiled_calls_apply():
-            return rule(*args, **params)
-        split = split_arrays(args)
-        key = (tuple(sorted(params.items())), *split.key())
-        try:
+        if shortcuts_apply():
+            split = split_arrays(args)
+            key = (tuple(sorted(params.items())), *split.key())
             call = calls.get(
                 key,
                 lambda: StagedCall(
-                    ft.partial(_call_rule, rule, params),
-                    name,
-                    split,
-                    inline=jc.JIT_INLINE_AT_TRACE,
+                    ft.partial(_call_rule, rule, params), name, split, inline=jc.JIT_INLINE_AT_TRACE
                 ),
             )
-        except TypeError:  # a non-array leaf or a param that cannot be hashed
-            return rule(*args, **params)
-        return call(split.arrays)
+            if call is not None:
+                return call(split.arrays)
+        return rule(*args, **params)
 
     return run_cached  # pyright: ignore
 
