@@ -24,7 +24,7 @@ from typing import Any, cast, TypeVar
 import jax
 import plum
 
-from . import _instrument, _jax_compat as jc
+from . import _instrument, _jax_compat as jc, _plum_types  # noqa: F401 (conversions)
 from ._diagnostics import (
     AmbiguousRuleError,
     ConflictingDefaultsError,
@@ -305,15 +305,16 @@ def _default_owner(cls: type) -> type:
 
 
 def sub_program_rule(
-    jaxpr_of: Callable[[dict], tuple], shortcut: Callable[..., Any]
+    jaxpr_of: Callable[[dict], tuple], shortcut: Callable[..., Any] | None = None
 ) -> Callable[[_Rule], _Rule]:
     """Mark a rule as one that runs a sub-program held in its primitive's params
     (`jit`, `closed_call`): `jaxpr_of(params)` gives `(closed_jaxpr, inlines)`,
     the sub-program and whether the rule runs it in place (as JAX inlines
     `jax.numpy`'s `jit`s), or `(None, False)` when the rule does something else
     for these params. `shortcut(trace, primitive, plan, tracers, values, kinds,
-    params)` is the rule's own faster way to the same result, given the trace
-    that meets the call, or `NotImplemented` (see `_higher_order/_jit.py`)."""
+    params)`, if given, is the rule's own faster way to the same result, given
+    the trace that meets the call, or `NotImplemented` (see
+    `_higher_order/_jit.py`)."""
 
     def mark(rule: _Rule) -> _Rule:
         rule.__quaxlike_sub_program__ = (jaxpr_of, shortcut)  # pyright: ignore[reportFunctionMemberAccess]

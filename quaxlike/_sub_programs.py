@@ -68,26 +68,30 @@ def only_materialises(closed_jaxpr, values, eager_trace) -> bool:
         reads = [v for v in eqn.invars if type(v) is not jc.Literal and v in holds_value]
         if reads:
             args = [v.val if type(v) is jc.Literal else env[v] for v in eqn.invars]
-            if not (
-                _is_plain_primitive(eqn.primitive)
-                and _eqn_only_materialises(eqn, args, eager_trace)
-            ):
+            if not _eqn_only_materialises(eqn, args, eager_trace):
                 return False
             unread.difference_update(reads)
         for out in eqn.outvars:
             env[out] = concrete
-    return not unread and not any(v in holds_value for v in jaxpr.outvars)
+    # An output may be a `Literal` (a `jit` returning a constant), never a Value.
+    return not unread and not any(
+        type(v) is not jc.Literal and v in holds_value for v in jaxpr.outvars
+    )
 
 
 def _eqn_only_materialises(eqn, args, eager_trace) -> bool:
     plan = plan_for(eqn.primitive, args)
+    plain = _is_plain_primitive(eqn.primitive)
     if plan.only_materialises:
-        return True
+        return plain
     if plan.sub_program is None:
         return False
     # A nested call: the shortcut materialises at that call exactly when its
-    # own sub-program only materialises (see `_higher_order/_jit.py`).
-    inner, _ = plan.sub_program(jc.bind_params(eqn.primitive, eqn.params)[1])
+    # own sub-program only materialises (see `_higher_order/_jit.py`). A custom
+    # derivative's built-in rule computes its primal jaxpr (eagerly no
+    # derivative is taken), held in the equation's own params.
+    params = jc.bind_params(eqn.primitive, eqn.params)[1] if plain else eqn.params
+    inner, _ = plan.sub_program(params)
     return inner is not None and only_materialises(inner, args, eager_trace)
 
 

@@ -26,8 +26,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from . import _instrument, _jax_compat as jc
+from . import _concrete, _instrument, _jax_compat as jc
 from ._diagnostics import messages, QuaxlikeError, rule_location, rule_name
 from ._rules import default_description, dispatch_kind, Plan, plan_for
 from ._staging import shortcuts_apply
@@ -47,6 +48,19 @@ class QuaxTracer(jc.Tracer):
 
     def full_lower(self):
         return self
+
+    def to_concrete_value(self):
+        # JAX's concreteness question (`concrete_or_error`, `bool(x)`, `x.item()`):
+        # answered with the array the Value stands for where it is known.
+        return _concrete.concrete_value(self._trace.parent_trace, self.value, self.aval)
+
+    def __array__(self, *args, **kwargs):
+        # NumPy's conversion (`x[mask]` takes `np.where(np.asarray(mask))` once
+        # JAX has found the mask concrete): the concrete array's, else JAX's error.
+        concrete = self.to_concrete_value()
+        if concrete is None:
+            return super().__array__(*args, **kwargs)
+        return np.asarray(concrete).__array__(*args, **kwargs)
 
     def __repr__(self):
         return f"QuaxTracer<{type(self.value).__qualname__}: {self.aval.str_short()}>"
@@ -98,12 +112,13 @@ class QuaxTrace(jc.Trace):
         Values, or `None` when there are none (then the operation is not this
         trace's business)."""
         if self.adopts:
-            tracers = [
-                QuaxTracer(self, t.value)
-                if type(t) is QuaxTracer and any(t._trace is outer for outer in self.adopts)
-                else t
-                for t in tracers
-            ]
+            with jc.set_current_trace(self.parent_trace):  # `aval()` may bind primitives
+                tracers = [
+                    QuaxTracer(self, t.value)
+                    if type(t) is QuaxTracer and any(t._trace is outer for outer in self.adopts)
+                    else t
+                    for t in tracers
+                ]
         for t in tracers:
             if type(t) is QuaxTracer and t._trace is self:
                 values = [
@@ -141,6 +156,9 @@ class QuaxTrace(jc.Trace):
                 out, rule = plan.apply(
                     primitive, tuple(values), params, name_scopes=record is not None
                 )
+                # Wrapped where the rule ran: a Value's `aval()` is user code
+                # and may bind primitives (`lax.stop_gradient`) on its leaves.
+                outputs = (wrap or self._wrap_outputs)(out, primitive, rule)
         finally:
             if record is not None:
                 recorder.close(record)  # pyright: ignore[reportOptionalMemberAccess]
@@ -150,10 +168,7 @@ class QuaxTrace(jc.Trace):
                 record.location = rule_location(rule)
             else:
                 record.default_owner = default_description(plan)
-        if wrap is not None:
-            return wrap(out, primitive, rule)
-        outputs = self._wrap_outputs(out, primitive, rule)
-        if self.checking:
+        if self.checking and wrap is None:
             self._check(primitive, tracers, params, outputs, rule)
         return outputs
 

@@ -48,6 +48,15 @@ class Value(eqx.Module):
     tracers, not concrete arrays, and XLA may fuse their operations with the
     function's (which can change the last bits of floating-point results).
 
+    The class attribute `concrete_eagerly` (default `False`) says whether,
+    outside any `jit`, a Value of this type answers JAX's questions for a
+    concrete value (`x.item()`, `bool(x)`, `jnp.unique`, `jnp.trim_zeros`, a
+    boolean mask) with its materialised array, as JAX's own tracers answer
+    with the array they carry; under `jit` JAX's own error is raised, as for a
+    plain array. It is off by default because JAX also asks in passing, on
+    ordinary operations (dtype promotion asks every operand), and answering
+    means materialising: worth it where that is free (`DenseArrayValue`).
+
     Unlike other Equinox Modules, a Value's bound methods (`value.materialise`)
     are ordinary Python bound methods, not PyTrees: rules call them on every
     primitive, and Equinox's PyTree bound methods cost tens of microseconds
@@ -86,6 +95,7 @@ class Value(eqx.Module):
     structured_tangents: ClassVar[bool] = True
     warn_on_materialise: ClassVar[bool] = True
     compile_eagerly: ClassVar[bool] = False
+    concrete_eagerly: ClassVar[bool] = False
 
     # Equinox looks every attribute of a Module up through a Python-level
     # `__getattribute__` that turns methods into bound-method Modules (PyTrees),
@@ -234,7 +244,8 @@ class DenseArrayValue(ArrayValue):
     """A Value that wraps one ordinary array and materialises to it.
 
     Every primitive falls back to materialising, so a `DenseArrayValue` computes
-    exactly what the wrapped array would; it is useful to force arrays through the
+    exactly what the wrapped array would (eagerly, functions that need the
+    array's value, such as `jnp.unique` or `x.item()`, get it too); it is useful to force arrays through the
     interpreter (benchmarks, tests) and as the simplest possible example type.
     Being dense is its purpose, so `materialise_policy` leaves it alone.
 
@@ -252,6 +263,9 @@ class DenseArrayValue(ArrayValue):
     """
 
     warn_on_materialise: ClassVar[bool] = False
+    # Materialising is free: eagerly, JAX's concreteness questions (`x.item()`,
+    # `jnp.unique`, boolean masks) get the wrapped array, as for a plain array.
+    concrete_eagerly: ClassVar[bool] = True
 
     array: ArrayLike
 

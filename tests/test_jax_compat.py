@@ -148,6 +148,57 @@ def test_register_tracer_class_without_jax_s_table(monkeypatch):
     assert jc.disabled_shortcuts() == ["jax.typeof's lookup for QuaxTracer"]
 
 
+# --- concreteness, typed scalars ------------------------------------------------------
+
+
+def test_concreteness_fallback_asks_the_tracer(monkeypatch):
+    # Without `core.to_concrete_value`, the tracer's own method is asked.
+    fallback = jc.concreteness_reader(_module())
+    assert jc.TRACERS_ANSWER_CONCRETENESS
+    x = jnp.array([0.0, 1.0, 0.0])
+    seen = []
+
+    def inside(a):
+        seen.append((fallback(a), jc.to_concrete_value(a)))
+        return a
+
+    quaxlike.quaxify(inside)(quaxlike.DenseArrayValue(x))
+    jax.jit(quaxlike.quaxify(inside))(quaxlike.DenseArrayValue(x))
+    (eager_fallback, eager_real), (jit_fallback, jit_real) = seen
+    np.testing.assert_array_equal(eager_fallback, x)
+    np.testing.assert_array_equal(eager_real, x)
+    assert jit_fallback is None and jit_real is None
+    assert fallback(x) is x and fallback(2.0) == 2.0
+    # Routed through the fallback, eager concreteness still works.
+    monkeypatch.setattr(jc, "to_concrete_value", fallback)
+    out = quaxlike.quaxify(jnp.trim_zeros)(quaxlike.DenseArrayValue(x))
+    np.testing.assert_array_equal(out, jnp.trim_zeros(x))
+
+
+def test_typed_scalar_types_in_both_layouts():
+    class TypedInt(int):
+        pass
+
+    class LiteralFloat(float):
+        pass
+
+    newer = _module(typed_scalar_types={TypedInt}, literal_scalar_types=None)
+    older = _module(literal_scalar_types={LiteralFloat})
+    assert jc.typed_scalar_types_of(newer) == (TypedInt,)
+    assert jc.typed_scalar_types_of(older) == (LiteralFloat,)
+    assert jc.typed_scalar_types_of(_module()) == () == jc.typed_scalar_types_of(None)
+
+
+def test_custom_call_primal_jaxpr():
+    jaxpr = jax.make_jaxpr(jax.nn.relu)(1.0)
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive is jc.custom_jvp_call_p]
+    primal = jc.custom_call_primal_jaxpr(eqn.params)
+    assert isinstance(primal, jc.ClosedJaxpr)
+    assert jc.eval_jaxpr(primal.jaxpr, primal.consts, -2.0) == [0.0]
+    # The trace hook's params hold functions, not a jaxpr.
+    assert jc.custom_call_primal_jaxpr({"fun": jax.nn.relu}) is None
+
+
 # --- params that changed between releases -------------------------------------------
 
 

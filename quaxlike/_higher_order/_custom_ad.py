@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import _jax_compat as jc
 from .._quaxify import lifted_call
-from .._rules import register
+from .._rules import register, sub_program_rule
 from .._values import checked_aval, materialise_value, Value
 from ._common import AnyValue
 
@@ -108,7 +108,16 @@ def _tangent_zeros_like(x):
     return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
 
 
+def _primal_sub_program(params) -> tuple:
+    # An equation's params hold the primal as a jaxpr: eagerly (no derivative is
+    # ever taken) the call computes that jaxpr, which the verdict of an
+    # enclosing `jit` looks into (see `_sub_programs.only_materialises`). Never
+    # run in place: the rule keeps the custom derivative.
+    return jc.custom_call_primal_jaxpr(params), False
+
+
 @register(jc.custom_jvp_call_p)
+@sub_program_rule(_primal_sub_program)
 def custom_jvp_call_p_values(*values: AnyValue, fun, jvp, symbolic_zeros: bool, **params):
     """The built-in rule for a `custom_jvp` function applied to Values. Its
     params are `fun` and `jvp`, JAX's one-shot `WrappedFun`s over dense arrays
@@ -181,6 +190,7 @@ def _tangent_like(primal, tangent):
 
 
 @register(jc.custom_vjp_call_p)
+@sub_program_rule(_primal_sub_program)
 def custom_vjp_call_p_values(
     *values: AnyValue, fun, fwd, bwd, out_trees, symbolic_zeros: bool, **params
 ):

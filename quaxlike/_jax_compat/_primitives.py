@@ -17,7 +17,7 @@ from ._probing import (
     _shard_map,
     missing,
 )
-from ._trace_api import Primitive
+from ._trace_api import ClosedJaxpr, Primitive
 
 
 # --- primitives of higher-order operations -----------------------------------
@@ -50,6 +50,16 @@ pvary_p: Any = _first((_core, "pvary_p")) or _stand_in_primitive("pvary")
 sharding_constraint_p: Any = _first((_pjit, "sharding_constraint_p")) or _stand_in_primitive(
     "sharding_constraint"
 )
+
+
+def custom_call_primal_jaxpr(params) -> Any:
+    """The primal function of a `custom_jvp_call` or `custom_vjp_call` equation
+    (its `call_jaxpr` param, a `ClosedJaxpr` in every release tested), or
+    `None` where the params hold none (the trace hooks' params, or a release
+    that names it otherwise)."""
+    jaxpr = params.get("call_jaxpr")
+    return jaxpr if ClosedJaxpr is not None and isinstance(jaxpr, ClosedJaxpr) else None
+
 
 _Inline = _first((jax, "Inline"), (_api, "Inline"))
 _INLINE_EARLY = getattr(_Inline, "JAX_EARLY", None)

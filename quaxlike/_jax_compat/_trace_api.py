@@ -13,6 +13,7 @@ from ._probing import (
     _config,
     _core,
     _first,
+    _literals,
     _lu,
     _source_info_util,
     _unavailable,
@@ -159,6 +160,50 @@ def check_no_leaks(traces) -> None:
             if make_error is not None:
                 raise make_error("trace", trace, leaked)
             raise Exception(f"Leaked trace {trace}. Leaked tracer(s): {leaked}")
+
+
+# --- concreteness ------------------------------------------------------------
+
+
+def concreteness_reader(core) -> Callable[[Any], Any]:
+    """`to_concrete_value(x)`: the concrete value JAX knows for `x`, or `None`
+    (a tracer with no known value). `core.to_concrete_value` in every release
+    tested; else asked of a tracer directly, as JAX's tracers answer it
+    (`Tracer.to_concrete_value()`), and `x` itself for anything else."""
+    found = _first((core, "to_concrete_value"))
+    if found is not None:
+        return found
+
+    def ask(x):
+        if isinstance(x, Tracer):
+            method = getattr(x, "to_concrete_value", None)
+            return method() if method is not None else None
+        return x
+
+    return ask
+
+
+to_concrete_value = concreteness_reader(_core)
+# Whether JAX asks a tracer for its concrete value (`concrete_or_error`,
+# `Tracer.__bool__`, ...): the method on the base class, whose default answers
+# `None`. Where it does not, a QuaxTracer stays abstract even eagerly.
+TRACERS_ANSWER_CONCRETENESS = callable(getattr(Tracer, "to_concrete_value", None))
+
+
+def typed_scalar_types_of(literals) -> tuple[type, ...]:
+    """The subclasses of `int`, `float` and `complex` carrying a `dtype` that
+    `bind` turns Python scalars into (`TypedInt`, `TypedFloat`, `TypedComplex`
+    from jax 0.8, listed in `jax._src.literals.typed_scalar_types`;
+    `LiteralInt`, ... in 0.7, in `literal_scalar_types`), by name; `()` where
+    neither list exists."""
+    for name in ("typed_scalar_types", "literal_scalar_types"):
+        found = _first((literals, name))
+        if found:
+            return tuple(sorted(found, key=lambda t: t.__name__))
+    return ()
+
+
+TYPED_SCALAR_TYPES = typed_scalar_types_of(_literals)
 
 
 # --- jaxprs ------------------------------------------------------------------
