@@ -28,7 +28,6 @@ them per sub-program, dropped whenever a rule is registered.
 
 import contextlib
 import weakref
-from typing import Any
 
 import jax
 
@@ -37,18 +36,23 @@ from ._rules import dispatch_kind, on_rules_changed, plan_for
 from ._values import is_value, materialise_value
 
 
-# ClosedJaxpr (weakly) -> {(parent trace type or "eager", argument kinds): verdict}
-_verdicts: "weakref.WeakKeyDictionary[Any, dict[tuple, bool]]" = weakref.WeakKeyDictionary()
+# id(ClosedJaxpr) -> (a weak reference to it, {(parent trace type or "eager",
+# argument kinds): verdict}); the entry goes when the jaxpr does. (By id rather
+# than a WeakKeyDictionary, whose lookups are Python code: read on every call.)
+_verdicts: dict[int, tuple[weakref.ref, dict[tuple, bool]]] = {}
 on_rules_changed(_verdicts.clear)
 
 
 def verdicts_of(closed_jaxpr) -> dict:
     """The verdicts known for `closed_jaxpr`, by whatever key the caller uses
     (the parent trace's type, or "eager", with the argument kinds)."""
-    known = _verdicts.get(closed_jaxpr)
-    if known is None:
-        known = _verdicts[closed_jaxpr] = {}
-    return known
+    entry = _verdicts.get(id(closed_jaxpr))
+    if entry is not None and entry[0]() is closed_jaxpr:
+        return entry[1]
+    key = id(closed_jaxpr)
+    forget = lambda _: _verdicts.pop(key, None)  # noqa: E731
+    entry = _verdicts[key] = (weakref.ref(closed_jaxpr, forget), {})
+    return entry[1]
 
 
 def only_materialises(closed_jaxpr, values, eager_trace) -> bool:
@@ -122,7 +126,9 @@ def materialise_at_call(trace, primitive, tracers, values, params):
         except Exception:
             return NotImplemented
         for a in arrays:
-            if not _is_canonical_tracer_of(parent, a):
+            # Not a tracer of `parent` with no mesh in its type: something
+            # `bind` would canonicalise or reshard.
+            if not (isinstance(a, jc.Tracer) and a._trace is parent and jc.without_mesh(a.aval)):
                 return primitive.bind(*arrays, **params)
     # Every array is a live tracer of the parent with the aval the call was
     # bound with: `bind` would check nothing new (the checks passed on the way
@@ -133,12 +139,6 @@ def materialise_at_call(trace, primitive, tracers, values, params):
     # plain JAX's instructions (benchmarks/README.md, "Where the time goes",
     # item 16).
     return parent.process_primitive(primitive, arrays, params)
-
-
-def _is_canonical_tracer_of(parent, x) -> bool:
-    # A tracer of `parent` with no mesh in its type: nothing `bind` would
-    # canonicalise or reshard.
-    return isinstance(x, jc.Tracer) and x._trace is parent and jc.without_mesh(x.aval)
 
 
 def inline(trace, closed_jaxpr, tracers, judge: bool = False):

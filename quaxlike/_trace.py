@@ -10,8 +10,8 @@ path, as in Autodidax's interpreter:
 2. *plan* (`plan_for`): the rule registry's plan for these argument kinds,
    looked up once per operation.
 3. *shortcut* (only for a rule that owns shortcuts, the `jit`/`closed_call`
-   rule of `_higher_order/_jit.py`, and only where `may_skip_rules()`): the
-   rule's own shortcut may answer for it.
+   rule of `_higher_order/_jit.py`, and only where `_staging.shortcuts_apply`
+   allows): the rule's own shortcut may answer for it.
 4. *dispatch* (`_dispatch`): apply the plan under the parent trace, recording
    it under `explain`.
 5. *wrap*: Values in the result become tracers again; checked mode compares
@@ -90,11 +90,6 @@ class QuaxTrace(jc.Trace):
         self.checking = _instrument.checking.get()
         self.eager = jc.is_eager(parent_trace)
 
-    def may_skip_rules(self) -> bool:
-        """Whether a shortcut may stand in for running the rules one by one
-        (`_staging.shortcuts_apply`, with whether this trace is observed)."""
-        return shortcuts_apply(self.observing)
-
     # --- lift ------------------------------------------------------------------
 
     def lift(self, value: Value) -> QuaxTracer:
@@ -133,7 +128,7 @@ class QuaxTrace(jc.Trace):
         """Steps 3 to 5 for `primitive` on `tracers` (opened into `values`, of
         `dispatch_kind`s `kinds`), whose plan is `plan`. (Also where the `jit`
         shortcut's `inline` hands an equation whose plan it already has.)"""
-        if plan.shortcut is not None and self.may_skip_rules():
+        if plan.shortcut is not None and shortcuts_apply(self.observing):
             out = plan.shortcut(self, primitive, plan, tracers, values, kinds, params)
             if out is not NotImplemented:
                 if self.checking:

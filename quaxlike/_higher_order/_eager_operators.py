@@ -14,8 +14,8 @@ the dense arrays, going through JAX's own fast path. Measured gain: eager
 
 Only taken where nothing can tell the two apart: the current trace is the
 eager `QuaxTrace` itself (not a transformation inside the quaxified function),
-`jax.disable_jit` is off, the trace `may_skip_rules()` (the predicate every
-shortcut reads), the other operand is a Value lifted by the same trace, a concrete
+`jax.disable_jit` is off, `shortcuts_apply` (the predicate every shortcut
+reads), the other operand is a Value lifted by the same trace, a concrete
 array, a NumPy array or a Python number, the rule that dispatch would choose
 for the call is the built-in one, and the operator's program on operands of
 these kinds and avals only materialises the Values. Otherwise the operator runs
@@ -31,6 +31,7 @@ import numpy as np
 from .. import _jax_compat as jc
 from .._diagnostics import MaterialisationError
 from .._rules import on_rules_changed, plan_for
+from .._staging import shortcuts_apply
 from .._sub_programs import only_materialises
 from .._trace import QuaxTracer
 from .._values import is_value, materialise_value, Value
@@ -91,7 +92,7 @@ def _dense_operator(tracer: QuaxTracer, name: str, function, other):
         return NotImplemented
     elif isinstance(other, jc.Tracer):
         return NotImplemented
-    if jc.current_trace() is not trace or not trace.may_skip_rules() or jc.jit_disabled():
+    if jc.current_trace() is not trace or not shortcuts_apply(trace.observing) or jc.jit_disabled():
         return NotImplemented
     value = tracer.value
     try:

@@ -3,7 +3,7 @@ function) and `closed_call` on Values: the rule, and the shortcuts it owns.
 
 What happens to such a call, in the order it runs:
 
-1. The trace finds this rule in the call's plan and, where `may_skip_rules()`
+1. The trace finds this rule in the call's plan and, where `shortcuts_apply`
    (nothing observes the trace and the policy is "allow"), offers the call to
    `shortcut` first, with the tracers it met.
 2. `shortcut` answers with one of three faster ways to the rule's result, or
@@ -45,7 +45,7 @@ def compiles_eagerly(values) -> bool:
 def shortcut(trace, primitive, plan, tracers, values, kinds, params):
     """The rule's result for `primitive` on `values` (this trace's `tracers`
     unwrapped, of `dispatch_kind`s `kinds`) by a shortcut, or `NotImplemented`
-    to let the rule run. Only called where `trace.may_skip_rules()`."""
+    to let the rule run. Only called where `shortcuts_apply`."""
     closed_jaxpr, inlines = plan.sub_program(params)
     if closed_jaxpr is None:
         return NotImplemented
@@ -101,7 +101,10 @@ def _body_of(jaxpr):
 
 
 def _jit_sub_program(params) -> tuple:
-    return params["jaxpr"], jc.jit_inlines_at_trace(params.get("inline", False))
+    inline = params.get("inline", False)  # a bool up to jax 0.10: no call needed
+    if inline is not True and inline is not False:
+        inline = jc.jit_inlines_at_trace(inline)
+    return params["jaxpr"], inline
 
 
 @register(jc.jit_p)
