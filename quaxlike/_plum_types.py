@@ -25,19 +25,19 @@ import plum
 from . import _jax_compat as jc
 
 
-def typed_scalar_to_array(x) -> jax.Array:
+def typed_scalar_to_array(obj) -> jax.Array:
     """A JAX typed scalar (`TypedInt`, `TypedFloat`, `TypedComplex`) as a 0-d
     array of its dtype.
 
     **Arguments:**
 
-    - `x`: the typed scalar.
+    - `obj`: the typed scalar.
 
     **Returns:**
 
-    `jnp.asarray(x, dtype=x.dtype)`.
+    `jnp.asarray(obj, dtype=obj.dtype)`.
     """
-    return jnp.asarray(x, dtype=x.dtype)
+    return jnp.asarray(obj, dtype=obj.dtype)
 
 
 for _typed in jc.TYPED_SCALAR_TYPES:

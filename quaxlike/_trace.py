@@ -54,7 +54,7 @@ class QuaxTracer(jc.Tracer):
         # answered with the array the Value stands for where it is known.
         return _concrete.concrete_value(self._trace.parent_trace, self.value, self.aval)
 
-    def __array__(self, *args, **kwargs):
+    def __array__(self, *args, **kwargs):  # pyright: ignore[reportIncompatibleMethodOverride]
         # NumPy's conversion (`x[mask]` takes `np.where(np.asarray(mask))` once
         # JAX has found the mask concrete): the concrete array's, else JAX's error.
         concrete = self.to_concrete_value()

@@ -188,6 +188,8 @@ to_concrete_value = concreteness_reader(_core)
 # `Tracer.__bool__`, ...): the method on the base class, whose default answers
 # `None`. Where it does not, a QuaxTracer stays abstract even eagerly.
 TRACERS_ANSWER_CONCRETENESS = callable(getattr(Tracer, "to_concrete_value", None))
+if not TRACERS_ANSWER_CONCRETENESS:
+    switch_off("eager concreteness (JAX never asks a tracer for its value)")
 
 
 def typed_scalar_types_of(literals) -> tuple[type, ...]:
