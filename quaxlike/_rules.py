@@ -16,8 +16,6 @@ dispatch will do; it reads the plan. Caches elsewhere that depend on the rules
 subscribe with `on_rules_changed`.
 """
 
-import inspect
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast, TypeVar
 
@@ -26,11 +24,10 @@ import plum
 
 from . import _instrument, _jax_compat as jc, _plum_types  # noqa: F401 (conversions)
 from ._diagnostics import (
-    AmbiguousRuleError,
+    ambiguous_rule_error,
     ConflictingDefaultsError,
     messages,
     QuaxlikeError,
-    rule_location,
     rule_name,
     type_labels,
     value_type_names,
@@ -83,36 +80,6 @@ def _as_primitives(primitive) -> list[jc.Primitive]:
     raise QuaxlikeError(
         messages.NOT_A_PRIMITIVE.format(got=primitive, type_name=type(primitive).__qualname__)
     )
-
-
-def _warn_unannotated(rule: Callable, primitive: jc.Primitive) -> None:
-    """In checked mode, point out positional arguments with no annotation.
-
-    They are accepted, as plum (and so Quax) accepts them: such an argument
-    matches any type. The warning is guidance only, since a rule meant for one
-    type that matches every type is a common slip."""
-    if not _instrument.checking.get():
-        return
-    try:
-        signature = inspect.signature(rule)
-    except (TypeError, ValueError):  # builtins and the like: let plum judge
-        return
-    positional = (
-        inspect.Parameter.POSITIONAL_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-        inspect.Parameter.VAR_POSITIONAL,
-    )
-    for parameter in signature.parameters.values():
-        if parameter.kind in positional and parameter.annotation is inspect.Parameter.empty:
-            warnings.warn(
-                messages.UNANNOTATED_RULE_ARGUMENT.format(
-                    rule=getattr(rule, "__qualname__", rule),
-                    primitive=primitive.name,
-                    arg=parameter.name,
-                ),
-                UserWarning,
-                stacklevel=4,
-            )
 
 
 def _dispatcher_for(primitive: jc.Primitive) -> plum.Function:
@@ -193,7 +160,7 @@ def register(primitive, *, precedence: int = 0) -> Callable[[_Rule], _Rule]:
             )
         for prim in primitives:
             for implementation in implementations:
-                _warn_unannotated(implementation, prim)
+                _instrument.warn_unannotated(implementation, prim)
                 _dispatcher_for(prim).register(implementation, precedence=precedence)
         _rules_changed()
         return cast(_Rule, rule)
@@ -239,14 +206,6 @@ def dispatch_kind(x) -> Any:
     return type(x)
 
 
-def _describe(method: plum.Method) -> str:
-    signature = method.signature
-    return (
-        f"  - {rule_name(method)} {signature} (precedence {signature.precedence}), "
-        f"at {rule_location(method)}"
-    )
-
-
 def _best(methods: list[plum.Method], values: tuple, primitive: jc.Primitive):
     """The most specific of `methods` (all of which match `values`), following plum's
     resolution: minimal signatures, then the unique highest precedence."""
@@ -267,21 +226,7 @@ def _best(methods: list[plum.Method], values: tuple, primitive: jc.Primitive):
     top = max(precedences)
     if precedences.count(top) == 1:
         return candidates[precedences.index(top)]
-    return AmbiguousRuleError(
-        messages.AMBIGUOUS.format(
-            primitive=primitive.name,
-            primitive_expression=_expression_for(primitive),
-            types=value_type_names(values),
-            candidates="\n".join(_describe(c) for c in candidates),
-        )
-    )
-
-
-def _expression_for(primitive: jc.Primitive) -> str:
-    """Python code naming `primitive`, for messages that suggest a `register`."""
-    if getattr(jax.lax, f"{primitive.name}_p", None) is primitive:
-        return f"jax.lax.{primitive.name}_p"
-    return f"<the `{primitive.name}` primitive>"
+    return ambiguous_rule_error(primitive, values, candidates)
 
 
 def _chain(methods: list[plum.Method], values: tuple, primitive: jc.Primitive) -> list:

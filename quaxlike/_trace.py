@@ -247,17 +247,12 @@ class QuaxTrace(jc.Trace):
         self, primitive, fun, fwd, bwd, tracers, out_trees=None, symbolic_zeros=False, **_
     ):
         tracers, values = self._open(tracers)
+        options = dict(out_trees=out_trees, symbolic_zeros=symbolic_zeros)
         if values is None:
             return self.parent_trace.process_custom_vjp_call(
-                primitive,
-                fun,
-                fwd,
-                bwd,
-                tracers,
-                out_trees=out_trees,
-                symbolic_zeros=symbolic_zeros,
+                primitive, fun, fwd, bwd, tracers, **options
             )
-        params = dict(fun=fun, fwd=fwd, bwd=bwd, out_trees=out_trees, symbolic_zeros=symbolic_zeros)
+        params = dict(fun=fun, fwd=fwd, bwd=bwd, **options)
         return self._dispatch(primitive, plan_for(primitive, values), tracers, values, params)
 
     def process_shard_map(self, primitive, fun, args, **params):

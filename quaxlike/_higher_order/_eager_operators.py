@@ -40,15 +40,11 @@ from .._values import is_value, materialise_value, Value
 # Binary operators whose `jax.numpy` function is `jax.jit`-wrapped with both
 # operands as traced arguments, as functions of (this operand, the other).
 _OPERATORS = {
-    "add": operator.add,
-    "sub": operator.sub,
-    "mul": operator.mul,
-    "truediv": operator.truediv,
-    "floordiv": operator.floordiv,
-    "mod": operator.mod,
-    "matmul": operator.matmul,
+    name: getattr(operator, name)
+    for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "matmul")
 }
-_NUMBERS = (bool, int, float, complex, np.ndarray)
+# Other operands the shortcut takes: concrete arrays, NumPy arrays, numbers.
+_OPERANDS = (jax.Array, bool, int, float, complex, np.ndarray)
 
 # (operator name, operand kinds, operand avals) -> whether the shortcut applies.
 _applies: dict[tuple, bool] = {}
@@ -88,9 +84,7 @@ def _dense_operator(tracer: QuaxTracer, name: str, function, other):
             return NotImplemented
         other_aval = other.aval
         other = other.value
-    elif is_value(other) or not isinstance(other, (jax.Array, *_NUMBERS)):
-        return NotImplemented
-    elif isinstance(other, jc.Tracer):
+    elif is_value(other) or isinstance(other, jc.Tracer) or not isinstance(other, _OPERANDS):
         return NotImplemented
     if jc.current_trace() is not trace or not shortcuts_apply(trace.observing) or jc.jit_disabled():
         return NotImplemented
