@@ -12,6 +12,8 @@ import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import jax
+
 
 class QuaxlikeError(Exception):
     """Base class of the errors quaxlike raises about how it is used.
@@ -260,6 +262,31 @@ def rule_location(rule) -> str:
     except (TypeError, OSError):
         return "unknown location"
     return f"{filename}:{line}"
+
+
+def ambiguous_rule_error(primitive, values: Sequence[Any], candidates) -> "AmbiguousRuleError":
+    """The error for `primitive` on `values` where the plum methods
+    `candidates` match equally well: each candidate with its signature,
+    precedence and location, and the `register` call that would settle it."""
+    name = primitive.name
+    expression = (
+        f"jax.lax.{name}_p"
+        if getattr(jax.lax, f"{name}_p", None) is primitive
+        else f"<the `{name}` primitive>"
+    )
+    lines = [
+        f"  - {rule_name(c)} {c.signature} (precedence {c.signature.precedence}), "
+        f"at {rule_location(c)}"
+        for c in candidates
+    ]
+    return AmbiguousRuleError(
+        messages.AMBIGUOUS.format(
+            primitive=name,
+            primitive_expression=expression,
+            types=value_type_names(values),
+            candidates="\n".join(lines),
+        )
+    )
 
 
 def value_type_names(values: Sequence[Any]) -> str:

@@ -7,6 +7,8 @@ ordinary fast path.
 """
 
 import contextvars
+import inspect
+import warnings
 
 from . import _config
 from ._diagnostics import messages, QuaxlikeError, rule_location, rule_name
@@ -56,11 +58,11 @@ class Recorder:
         self.records: list[Record] = []
         self._open: list[Record] = []
 
-    def open(self, primitive, values) -> Record:
+    def open(self, primitive: str, arg_types: tuple[str, ...]) -> Record:
+        """Open the record of `primitive` (a name) applied to arguments described
+        by `arg_types`, inside the record open now, if any."""
         inside = self._open[-1].primitive if self._open else None
-        from ._values import describe  # (_values imports this module)
-
-        record = Record(primitive.name, tuple(map(describe, values)), inside)
+        record = Record(primitive, arg_types, inside)
         (self._open[-1].children if self._open else self.records).append(record)
         self._open.append(record)
         return record
@@ -81,6 +83,36 @@ def note_materialised(value) -> None:
 
 
 # --- checked mode ------------------------------------------------------------------
+
+
+def warn_unannotated(rule, primitive) -> None:
+    """In checked mode, point out positional arguments with no annotation.
+
+    They are accepted, as plum (and so Quax) accepts them: such an argument
+    matches any type. The warning is guidance only, since a rule meant for one
+    type that matches every type is a common slip."""
+    if not checking.get():
+        return
+    try:
+        signature = inspect.signature(rule)
+    except (TypeError, ValueError):  # builtins and the like: let plum judge
+        return
+    positional = (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.VAR_POSITIONAL,
+    )
+    for parameter in signature.parameters.values():
+        if parameter.kind in positional and parameter.annotation is inspect.Parameter.empty:
+            warnings.warn(
+                messages.UNANNOTATED_RULE_ARGUMENT.format(
+                    rule=getattr(rule, "__qualname__", rule),
+                    primitive=primitive.name,
+                    arg=parameter.name,
+                ),
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def _aval_text(aval) -> str:

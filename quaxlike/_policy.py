@@ -5,7 +5,7 @@ import contextvars
 import warnings
 from collections.abc import Iterator
 
-from . import _config, _instrument, _jax_compat as jc
+from . import _config, _jax_compat as jc
 from ._diagnostics import MaterialisationError, messages
 
 
@@ -65,14 +65,15 @@ def materialise_policy(mode: str) -> Iterator[None]:
         _mode.reset(token)
 
 
-def current_mode() -> str:
-    return _mode.get()
+# The mode now: "allow", "warn" or "error" (the context variable's own `get`,
+# called on every shortcut: no Python frame of ours around it).
+current_mode = _mode.get
 
 
 def on_fallback(value, primitive) -> None:
     """Apply the current policy to a fallback materialisation of `value` for
-    `primitive` (before it happens)."""
-    _instrument.note_materialised(value)
+    `primitive` (before it happens): nothing under "allow", a warning under
+    "warn", a `MaterialisationError` under "error"."""
     mode = _mode.get()
     if mode == "allow" or not getattr(type(value), "warn_on_materialise", True):
         return

@@ -1,4 +1,13 @@
-"""`quaxify`: run a function with Values lifted into a `QuaxTrace`."""
+"""`quaxify`: run a function with Values lifted into a `QuaxTrace`.
+
+The path of a call, in the order it runs: `Quaxify.__call__` partitions the
+arguments (`filter_spec`) and flattens them; `_run_in_new_trace` opens a
+`QuaxTrace` over whatever trace is current and lifts each Value into a
+`QuaxTracer`; the function runs, and every operation on a tracer goes through
+the trace (`_trace`: open, plan, the rule's shortcut, dispatch, wrap); the
+outputs are unwrapped back into Values and arrays. `lifted_call` is the same
+trace for quaxlike's own rules, without building the wrapper.
+"""
 
 import contextvars
 import re

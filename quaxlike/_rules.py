@@ -10,14 +10,12 @@ methods match and which is more specific, and cache the result as a `Plan` per
 A `Plan` is everything the trace (and every shortcut beside it) needs to know
 about one primitive applied to one combination of argument kinds: the matching
 rules in order, the `default` that ends the chain, whether the chosen rule only
-runs a sub-program (so the trace may run it in place), and whether dispatch
+runs a sub-program (and the shortcut it owns), and whether dispatch
 would do nothing but materialise. Nothing outside this module predicts what
 dispatch will do; it reads the plan. Caches elsewhere that depend on the rules
 subscribe with `on_rules_changed`.
 """
 
-import inspect
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast, TypeVar
 
@@ -26,11 +24,10 @@ import plum
 
 from . import _instrument, _jax_compat as jc, _plum_types  # noqa: F401 (conversions)
 from ._diagnostics import (
-    AmbiguousRuleError,
+    ambiguous_rule_error,
     ConflictingDefaultsError,
     messages,
     QuaxlikeError,
-    rule_location,
     rule_name,
     type_labels,
     value_type_names,
@@ -83,36 +80,6 @@ def _as_primitives(primitive) -> list[jc.Primitive]:
     raise QuaxlikeError(
         messages.NOT_A_PRIMITIVE.format(got=primitive, type_name=type(primitive).__qualname__)
     )
-
-
-def _warn_unannotated(rule: Callable, primitive: jc.Primitive) -> None:
-    """In checked mode, point out positional arguments with no annotation.
-
-    They are accepted, as plum (and so Quax) accepts them: such an argument
-    matches any type. The warning is guidance only, since a rule meant for one
-    type that matches every type is a common slip."""
-    if not _instrument.checking.get():
-        return
-    try:
-        signature = inspect.signature(rule)
-    except (TypeError, ValueError):  # builtins and the like: let plum judge
-        return
-    positional = (
-        inspect.Parameter.POSITIONAL_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-        inspect.Parameter.VAR_POSITIONAL,
-    )
-    for parameter in signature.parameters.values():
-        if parameter.kind in positional and parameter.annotation is inspect.Parameter.empty:
-            warnings.warn(
-                messages.UNANNOTATED_RULE_ARGUMENT.format(
-                    rule=getattr(rule, "__qualname__", rule),
-                    primitive=primitive.name,
-                    arg=parameter.name,
-                ),
-                UserWarning,
-                stacklevel=4,
-            )
 
 
 def _dispatcher_for(primitive: jc.Primitive) -> plum.Function:
@@ -193,7 +160,7 @@ def register(primitive, *, precedence: int = 0) -> Callable[[_Rule], _Rule]:
             )
         for prim in primitives:
             for implementation in implementations:
-                _warn_unannotated(implementation, prim)
+                _instrument.warn_unannotated(implementation, prim)
                 _dispatcher_for(prim).register(implementation, precedence=precedence)
         _rules_changed()
         return cast(_Rule, rule)
@@ -239,14 +206,6 @@ def dispatch_kind(x) -> Any:
     return type(x)
 
 
-def _describe(method: plum.Method) -> str:
-    signature = method.signature
-    return (
-        f"  - {rule_name(method)} {signature} (precedence {signature.precedence}), "
-        f"at {rule_location(method)}"
-    )
-
-
 def _best(methods: list[plum.Method], values: tuple, primitive: jc.Primitive):
     """The most specific of `methods` (all of which match `values`), following plum's
     resolution: minimal signatures, then the unique highest precedence."""
@@ -267,21 +226,7 @@ def _best(methods: list[plum.Method], values: tuple, primitive: jc.Primitive):
     top = max(precedences)
     if precedences.count(top) == 1:
         return candidates[precedences.index(top)]
-    return AmbiguousRuleError(
-        messages.AMBIGUOUS.format(
-            primitive=primitive.name,
-            primitive_expression=_expression_for(primitive),
-            types=value_type_names(values),
-            candidates="\n".join(_describe(c) for c in candidates),
-        )
-    )
-
-
-def _expression_for(primitive: jc.Primitive) -> str:
-    """Python code naming `primitive`, for messages that suggest a `register`."""
-    if getattr(jax.lax, f"{primitive.name}_p", None) is primitive:
-        return f"jax.lax.{primitive.name}_p"
-    return f"<the `{primitive.name}` primitive>"
+    return ambiguous_rule_error(primitive, values, candidates)
 
 
 def _chain(methods: list[plum.Method], values: tuple, primitive: jc.Primitive) -> list:
@@ -304,16 +249,20 @@ def _default_owner(cls: type) -> type:
     return Value
 
 
-def sub_program_rule(jaxpr_of: Callable[[dict], tuple]) -> Callable[[_Rule], _Rule]:
+def sub_program_rule(
+    jaxpr_of: Callable[[dict], tuple], shortcut: Callable[..., Any] | None = None
+) -> Callable[[_Rule], _Rule]:
     """Mark a rule as one that runs a sub-program held in its primitive's params
     (`jit`, `closed_call`): `jaxpr_of(params)` gives `(closed_jaxpr, inlines)`,
     the sub-program and whether the rule runs it in place (as JAX inlines
     `jax.numpy`'s `jit`s), or `(None, False)` when the rule does something else
-    for these params. The trace may then run the sub-program's equations itself
-    instead of calling the rule (see `_sub_programs`)."""
+    for these params. `shortcut(trace, primitive, plan, tracers, values, kinds,
+    params)`, if given, is the rule's own faster way to the same result, given
+    the trace that meets the call, or `NotImplemented` (see
+    `_higher_order/_jit.py`)."""
 
     def mark(rule: _Rule) -> _Rule:
-        rule.__quaxlike_sub_program__ = jaxpr_of  # pyright: ignore[reportFunctionMemberAccess]
+        rule.__quaxlike_sub_program__ = (jaxpr_of, shortcut)  # pyright: ignore[reportFunctionMemberAccess]
         return rule
 
     return mark
@@ -328,22 +277,23 @@ class Plan:
     - `default`: what runs when every rule in the chain hands over: a type's own
         `default`, `Value.default` (materialise and bind), or a function raising
         `ConflictingDefaultsError`.
-    - `sub_program`: the chosen rule's `jaxpr_of(params) -> (closed_jaxpr,
-        inlines)` (see `sub_program_rule`), or `None`.
+    - `sub_program`, `shortcut`: the chosen rule's `jaxpr_of` and `shortcut`
+        (see `sub_program_rule`), or `None`.
     - `only_materialises`: no rule matches and the default is `Value.default`.
     """
 
-    __slots__ = ("chain", "default", "sub_program", "only_materialises")
+    __slots__ = ("chain", "default", "sub_program", "shortcut", "only_materialises")
 
     def __init__(self, chain: list, default: Callable):
         self.chain = tuple(chain)
         self.default = default
         first = chain[0] if chain else None
-        self.sub_program = (
+        marked = (
             getattr(first[0].implementation, "__quaxlike_sub_program__", None)
             if isinstance(first, tuple)
             else None
         )
+        self.sub_program, self.shortcut = marked or (None, None)
         self.only_materialises = not chain and default is Value.default
 
     @property
@@ -426,32 +376,14 @@ def plan_for(primitive: jc.Primitive, values: Sequence[Any], kinds: tuple | None
         return plan
 
 
-def dispatch(
-    primitive: jc.Primitive,
-    values: Sequence[Any],
-    params: dict[str, Any],
-    *,
-    name_scopes: bool = False,
-):
-    """Apply `primitive` to `values` using the registered rules: `(output,
-    method)`, as `Plan.apply`.
-
-    Order: the matching rules, most specific first (a rule returning
-    `NotImplemented` hands over to the next); then the single overridden
-    `default` among the Values' types; then materialise and bind.
-    """
-    values = tuple(values)
-    return plan_for(primitive, values).apply(primitive, values, params, name_scopes=name_scopes)
-
-
 def _scope_name(fn) -> str:
     return "quaxlike:" + rule_name(fn, qualified=False).replace("<locals>.", "")
 
 
-def default_description(primitive: jc.Primitive, values: Sequence[Any]) -> str:
-    """Which `default` handled `primitive` on `values`: `Value.default` (which
-    materialises) or a type's own override."""
-    default = plan_for(primitive, values).default
+def default_description(plan: Plan) -> str:
+    """Which `default` ends `plan`: `Value.default` (which materialises) or a
+    type's own override."""
+    default = plan.default
     if default is Value.default:
         return "default"
     return "default of " + getattr(default, "__qualname__", "a Value type").rsplit(".", 1)[0]

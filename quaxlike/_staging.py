@@ -1,9 +1,10 @@
 """Programs traced once and reused: a function of Values and arrays run as a
 `jax.jit` over the array leaves of its arguments. `CompiledCalls` is the one
-cache of such calls; the `jit` rule's compiled bodies and `cached_rule` each
-hold one."""
+cache of such calls; the `jit` rule's compiled bodies and `cached_rule`
+(quaxlike/internal/_cached_rule.py) each hold one. `shortcuts_apply` is the
+one predicate that says when such a call, or any other shortcut, may stand in
+for running the rules."""
 
-import functools as ft
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple, TypeVar
 
@@ -80,14 +81,17 @@ def split_arrays(tree, is_array: Callable[[Any], bool] = eqx.is_array) -> SplitT
 
 
 class StagedCall:
-    """`fn(*args)` as one `jax.jit` over the array leaves of `args`, for one
+    """`fn(*args)` as one `jax.jit` (or another `transform` of functions of
+    arrays, such as `jax.checkpoint`) over the array leaves of `args`, for one
     structure and set of non-array leaves of the arguments (a `SplitTree`).
 
     Its owner keys it on the avals of the array leaves too, so it is traced
     once and the structure of its output, recorded then, never changes.
     """
 
-    def __init__(self, fn: Callable, name: str, split: SplitTree, **jit_options):
+    def __init__(
+        self, fn: Callable, name: str, split: SplitTree, transform: Callable = jax.jit, **options
+    ):
         self.out_split: SplitTree | None = None
         structure = split.structure()
 
@@ -97,7 +101,7 @@ class StagedCall:
             return out_split.arrays
 
         run.__name__ = run.__qualname__ = name
-        self.jitted = jax.jit(run, **jit_options)
+        self.jitted = transform(run, **options)
 
     def __call__(self, arrays):
         out_arrays = self.jitted(*arrays)
@@ -115,10 +119,14 @@ class CompiledCalls:
         self._calls: dict[Hashable, StagedCall] = {}
         on_rules_changed(self._calls.clear)
 
-    def get(self, key: Hashable, make: Callable[[], StagedCall]) -> StagedCall:
-        """The call cached under `key`, made with `make()` the first time.
-        Raises `TypeError` if `key` cannot be hashed."""
-        call = self._calls.get(key)
+    def get(self, key: Hashable, make: Callable[[], StagedCall]) -> StagedCall | None:
+        """The call cached under `key`, made with `make()` the first time, or
+        `None` if `key` cannot be hashed (a non-array leaf or a param that
+        cannot: the caller then runs uncached)."""
+        try:
+            call = self._calls.get(key)
+        except TypeError:
+            return None
         if call is None:
             if len(self._calls) >= self.max_size:
                 self._calls.clear()
@@ -126,89 +134,15 @@ class CompiledCalls:
         return call
 
 
-def compiled_calls_apply() -> bool:
-    """Whether a cached compiled call may stand in for running the rules:
-    under a "warn" or "error" `materialise_policy` and under `explain`, every
-    call is traced, so that every fallback is reported and recorded."""
-    return _policy.current_mode() == "allow" and _instrument.recorder.get() is None
-
-
-def cached_rule(rule: _Rule) -> _Rule:
-    """Trace a rule once per argument types and reuse the program it recorded.
-
-    Put it under `quaxlike.register`. The first call for some argument
-    structure (Value types and their non-array fields), array avals and params
-    runs `rule` inside a `jax.jit(..., inline=True)`; later calls like it hand
-    JAX that cached program, which JAX copies into the enclosing program
-    without running the rule's Python again, exactly as it does for
-    `jax.numpy` functions. Worth it for rules that emit several equations
-    (LoRA's product emits four); the equations are the same either way.
-
-    Only for rules whose result depends on nothing but those: no Python side
-    effects, no reading global state, no concrete values. Under a "warn" or
-    "error" `materialise_policy`, under `quaxlike.explain`, and when the
-    params are not hashable, the rule simply runs, so that every fallback is
-    still reported and recorded.
-
-    **Arguments:**
-
-    - `rule`: the rule, as it would be passed to `quaxlike.register`.
-
-    **Returns:**
-
-    The rule with caching, with `rule`'s name, signature and annotations (so
-    `register` dispatches on them).
-
-    !!! example
-
-        ```python
-        class Scaled(quaxlike.ArrayValue):  # stands for scale * array
-            array: jax.Array
-            scale: float = eqx.field(static=True)
-
-            def aval(self):
-                return quaxlike.internal.ShapedArray(self.array.shape, self.array.dtype)
-
-            def materialise(self):
-                return self.scale * self.array
-
-        @quaxlike.register(jax.lax.dot_general_p)
-        @quaxlike.internal.cached_rule
-        def _(x: Scaled, y: jax.Array, *, dimension_numbers, **params):
-            product = quaxlike.internal.bind_dot_general(x.array, y, dimension_numbers, params)
-            return x.scale * product
-
-        w, v = jnp.ones((3, 2)), jnp.ones(2)
-        f = quaxlike.quaxify(lambda w, v: w @ v)
-        assert jnp.allclose(f(Scaled(w, 2.0), v), 2 * (w @ v))
-        assert jnp.allclose(f(Scaled(w, 3.0), v), 3 * (w @ v))  # another program
-        ```
-    """
-    calls = CompiledCalls()
-    name = getattr(rule, "__name__", "rule")
-
-    @ft.wraps(rule)
-    def run_cached(*args, **params):
-        if not compiled_calls_apply():
-            return rule(*args, **params)
-        split = split_arrays(args)
-        key = (tuple(sorted(params.items())), *split.key())
-        try:
-            call = calls.get(
-                key,
-                lambda: StagedCall(
-                    ft.partial(_call_rule, rule, params),
-                    name,
-                    split,
-                    inline=jc.JIT_INLINE_AT_TRACE,
-                ),
-            )
-        except TypeError:  # a non-array leaf or a param that cannot be hashed
-            return rule(*args, **params)
-        return call(split.arrays)
-
-    return run_cached  # pyright: ignore
-
-
-def _call_rule(rule, params, *args):
-    return rule(*args, **params)
+def shortcuts_apply(observing: bool | None = None) -> bool:
+    """Whether a shortcut may stand in for running the rules one by one (a
+    cached compiled call, inlining a sub-program, materialising at a call): the
+    one predicate every shortcut reads. Not while `explain` records, since
+    every rule must run to be recorded (`observing`: whether a recorder was on
+    when the trace asking was created; by default, whether one is on now), and
+    not under a "warn" or "error" `materialise_policy`, which must see every
+    fallback where it happens (read at each call, so that a policy entered
+    inside a quaxified function applies from there on)."""
+    if observing is None:
+        observing = _instrument.recorder.get() is not None
+    return not observing and _policy.current_mode() == "allow"

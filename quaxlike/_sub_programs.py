@@ -1,104 +1,58 @@
-"""The speed layer of the trace: running a call's sub-program in place.
+"""Running a call's sub-program without a nested trace: plain functions that the
+`jit`/`closed_call` rule's shortcut calls (`_higher_order/_jit.py` says when).
 
 Most `jax.numpy` functions are `jit`s that JAX inlines where they are traced,
 so a quaxified function meets a `jit` equation around almost every operation.
-The built-in rule for such a call (`_higher_order/_jit.py`) runs its
-sub-program under a nested `quaxify`. Two shortcuts give the same result for
-less work, and this module is where both live; `QuaxTrace` only asks
-`SubPrograms.run` and otherwise dispatches as usual.
+The rule runs the sub-program under a nested `quaxify`; the functions here give
+the same result for less work.
 
-1. **Inlining in place** (benchmarks/README.md, "Where the time goes", items 2
-   and 5: nested traces were the largest cost of tracing a model): the trace
-   evaluates the sub-program's equations itself, each one going through
-   `process_primitive` exactly as it would inside the nested trace. Only where
-   the chosen rule is marked with `sub_program_rule` and JAX itself would
-   inline the call at trace time.
+- `inline` evaluates the sub-program's equations in the trace that met the
+  call, each going through the trace exactly as it would in the nested trace
+  (nested traces were the largest cost of tracing a model: benchmarks/README.md,
+  "Where the time goes", items 2 and 5). With `judge`, it also works out the
+  *verdict*: whether every operation on a Value only materialised it (no rule,
+  and no type's own `default`).
+- `only_materialises` works out the same verdict without running anything, for
+  eager code, where every intermediate array is a concrete array.
+- `materialise_at_call` computes what `Value.default` gives when applied to the
+  call as a whole (the Values materialised, the call bound on the dense arrays):
+  what a sub-program whose verdict is true computes under the plain "allow"
+  policy (items 6 and 9: a dense model went from 1.40 to about 1.1 of plain
+  JAX). Eagerly it runs the call as JAX runs it on dense arrays, one compiled
+  call, instead of op by op.
 
-2. **Materialising at the call** (items 6 and 9: a dense model through the
-   interpreter went from 1.40 to about 1.1 of plain JAX): when every operation
-   on a Value in the sub-program would only materialise it (no rule, and no
-   type's own `default`), the sub-program computes what `Value.default` gives
-   when applied to the call as a whole: the Values materialised, the call bound
-   on the dense arrays. That is what it does, for the plain "allow" policy.
-   Eagerly (no transformation around the call) this also runs the call as JAX
-   runs it on dense arrays, one compiled call, instead of op by op.
-
-Whether a sub-program only materialises (its *verdict*) depends on the
-sub-program, the registered rules, the kinds of the arguments and the kind of
-array the parent trace produces. Eagerly, it is worked out from the equations
-without running them (every intermediate array is then a concrete array), so
-that no call is ever run op by op once and compiled the next time. Under a
-transformation, the first call is inlined and observed. Verdicts are cached per
-sub-program and dropped whenever a rule is registered.
+Verdicts depend on the sub-program, the registered rules, the kinds of the
+arguments and the kind of array the parent trace produces: `verdicts_of` keeps
+them per sub-program, dropped whenever a rule is registered.
 """
 
 import contextlib
 import weakref
-from typing import Any
 
 import jax
 
-from . import _jax_compat as jc, _policy
-from ._rules import on_rules_changed, plan_for
+from . import _jax_compat as jc
+from ._rules import dispatch_kind, on_rules_changed, plan_for
 from ._values import is_value, materialise_value
 
 
-# ClosedJaxpr (weakly) -> {(parent trace type or "eager", argument kinds): verdict}
-_verdicts: "weakref.WeakKeyDictionary[Any, dict[tuple, bool]]" = weakref.WeakKeyDictionary()
+# id(ClosedJaxpr) -> (a weak reference to it, {(parent trace type or "eager",
+# argument kinds): verdict}); the entry goes when the jaxpr does. (By id rather
+# than a WeakKeyDictionary, whose lookups are Python code: read on every call.)
+_verdicts: dict[int, tuple[weakref.ref, dict[tuple, bool]]] = {}
 on_rules_changed(_verdicts.clear)
 
 
-class SubPrograms:
-    """One trace's view of the shortcuts above."""
-
-    def __init__(self, trace):
-        self.trace = trace
-
-    def run(self, primitive, plan, tracers, values, kinds, params):
-        """Apply `primitive` (whose plan's chosen rule only runs a sub-program)
-        to `values` (of `dispatch_kind`s `kinds`) by one of the shortcuts, or
-        return `NotImplemented` to let the rule run."""
-        closed_jaxpr, inlines = plan.sub_program(params)
-        if closed_jaxpr is None:
-            return NotImplemented
-        trace = self.trace
-        if trace.eager:
-            if (
-                self._eager_verdict(closed_jaxpr, values, kinds)
-                and _policy.current_mode() == "allow"
-            ):
-                out = _materialise_at_call(trace, primitive, tracers, values, params)
-                if out is not NotImplemented:
-                    return out
-            if inlines and not _opts_in_to_compiling(values):
-                return inline(trace, closed_jaxpr, tracers)
-            return NotImplemented
-        if not inlines:
-            return NotImplemented
-        known = _verdicts.setdefault(closed_jaxpr, {})
-        key = (type(trace.parent_trace), kinds)
-        verdict = known.get(key)
-        if verdict is None:
-            outputs, known[key] = inline(trace, closed_jaxpr, tracers, judge=True)
-            return outputs
-        if verdict and _policy.current_mode() == "allow":
-            out = _materialise_at_call(trace, primitive, tracers, values, params)
-            if out is not NotImplemented:
-                return out
-        return inline(trace, closed_jaxpr, tracers)
-
-    def _eager_verdict(self, closed_jaxpr, values, kinds) -> bool:
-        known = _verdicts.setdefault(closed_jaxpr, {})
-        key = ("eager", kinds)
-        verdict = known.get(key)
-        if verdict is None:
-            verdict = known[key] = only_materialises(closed_jaxpr, values, self.trace.parent_trace)
-        return verdict
-
-
-def _opts_in_to_compiling(values) -> bool:
-    # `Value.compile_eagerly` on every type: the rule runs the call compiled.
-    return all(type(v).compile_eagerly for v in values if is_value(v))
+def verdicts_of(closed_jaxpr) -> dict:
+    """The verdicts known for `closed_jaxpr`, by whatever key the caller uses
+    (the parent trace's type, or "eager", with the argument kinds)."""
+    entry = _verdicts.get(id(closed_jaxpr))
+    if entry is not None and entry[0]() is closed_jaxpr:
+        return entry[1]
+    key = id(closed_jaxpr)
+    forget = lambda _: _verdicts.pop(key, None)  # noqa: E731
+    entry = _verdicts[key] = (weakref.ref(closed_jaxpr, forget), {})
+    return entry[1]
 
 
 def only_materialises(closed_jaxpr, values, eager_trace) -> bool:
@@ -136,8 +90,8 @@ def _eqn_only_materialises(eqn, args, eager_trace) -> bool:
         return plain
     if plan.sub_program is None:
         return False
-    # A nested call: the trace materialises at that call exactly when its own
-    # sub-program only materialises (see `SubPrograms.run`). A custom
+    # A nested call: the shortcut materialises at that call exactly when its
+    # own sub-program only materialises (see `_higher_order/_jit.py`). A custom
     # derivative's built-in rule computes its primal jaxpr (eagerly no
     # derivative is taken), held in the equation's own params.
     params = jc.bind_params(eqn.primitive, eqn.params)[1] if plain else eqn.params
@@ -155,7 +109,7 @@ def _a_concrete_array(eager_trace):
     return _concrete_example[0]
 
 
-def _materialise_at_call(trace, primitive, tracers, values, params):
+def materialise_at_call(trace, primitive, tracers, values, params):
     """`Value.default` applied to the call (under the parent trace, as rules
     run), each Value checked against its tracer's aval. Only reached under the
     "allow" policy with nothing observing the trace, so there is nothing to
@@ -172,7 +126,9 @@ def _materialise_at_call(trace, primitive, tracers, values, params):
         except Exception:
             return NotImplemented
         for a in arrays:
-            if not _is_canonical_tracer_of(parent, a):
+            # Not a tracer of `parent` with no mesh in its type: something
+            # `bind` would canonicalise or reshard.
+            if not (isinstance(a, jc.Tracer) and a._trace is parent and jc.without_mesh(a.aval)):
                 return primitive.bind(*arrays, **params)
     # Every array is a live tracer of the parent with the aval the call was
     # bound with: `bind` would check nothing new (the checks passed on the way
@@ -183,12 +139,6 @@ def _materialise_at_call(trace, primitive, tracers, values, params):
     # plain JAX's instructions (benchmarks/README.md, "Where the time goes",
     # item 16).
     return parent.process_primitive(primitive, arrays, params)
-
-
-def _is_canonical_tracer_of(parent, x) -> bool:
-    # A tracer of `parent` with no mesh in its type: nothing `bind` would
-    # canonicalise or reshard.
-    return isinstance(x, jc.Tracer) and x._trace is parent and jc.without_mesh(x.aval)
 
 
 def inline(trace, closed_jaxpr, tracers, judge: bool = False):
@@ -214,17 +164,25 @@ def inline(trace, closed_jaxpr, tracers, judge: bool = False):
     unread = {v for v, t in zip(jaxpr.invars, tracers) if owns(t)} if judge else set()
     for eqn in jaxpr.eqns:
         args = [v.val if type(v) is literal else env[v] for v in eqn.invars]
-        if only_materialised and any(map(owns, args)):
-            only_materialised = (
-                _is_plain_primitive(eqn.primitive)
-                and plan_for(eqn.primitive, [trace.unwrap(a) for a in args]).only_materialises
-            )
-            unread.difference_update(v for v in eqn.invars if type(v) is not literal)
         subfuns, params = jc.bind_params(eqn.primitive, eqn.params)
-        if subfuns or eqn.ctx is not here or eqn.source_info.name_stack:
-            out = _bind_in_context(trace, eqn, [*subfuns, *args], params, here)
-        else:
+        simple = not subfuns and eqn.ctx is here and not eqn.source_info.name_stack
+        judged = None  # (values, kinds, plan) of an equation judged here
+        if only_materialised and any(map(owns, args)):
+            unread.difference_update(v for v in eqn.invars if type(v) is not literal)
+            only_materialised = False
+            if _is_plain_primitive(eqn.primitive):
+                values = [trace.unwrap(a) for a in args]
+                kinds = tuple(map(dispatch_kind, values))
+                judged = values, kinds, plan_for(eqn.primitive, values, kinds)
+                only_materialised = judged[2].only_materialises
+        if judged and simple and not trace.adopts and _binds_plainly(eqn.primitive, params):
+            # What `bind` would reach, with the plan already in hand.
+            values, kinds, plan = judged
+            out = trace.apply_plan(eqn.primitive, plan, args, values, kinds, params)
+        elif simple:
             out = jc.bind_with_trace(eqn.primitive, trace, args, params)
+        else:
+            out = _bind_in_context(trace, eqn, [*subfuns, *args], params, here)
         if eqn.primitive.multiple_results:
             env.update(zip(eqn.outvars, out))
         else:
@@ -248,6 +206,15 @@ def _bind_in_context(trace, eqn, args, params, here):
             )
         stack.enter_context(jc.set_current_trace(trace))
         return eqn.primitive.bind(*args, **params)
+
+
+def _binds_plainly(primitive, params) -> bool:
+    """Whether `bind` would only hand this equation to the trace's
+    `process_primitive` (no sub-program in its params that JAX would lower
+    first)."""
+    return getattr(type(primitive), "is_high", None) is getattr(
+        jc.Primitive, "is_high", None
+    ) and not any(isinstance(v, (jc.Jaxpr, jc.ClosedJaxpr)) for v in params.values())
 
 
 def _is_plain_primitive(primitive) -> bool:

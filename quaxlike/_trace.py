@@ -1,17 +1,25 @@
 """The tracer and trace that carry Values through a JAX program.
 
 `QuaxTracer` wraps one `Value` and presents its `aval()` to JAX, so user code
-sees an ordinary array. `QuaxTrace` does three things with every operation that
-reaches it: it *lifts* (finds its own tracers among the arguments and unwraps
-their Values), *dispatches* (asks the rule registry for the plan for these
-argument kinds and applies it under the parent trace), and *wraps* (turns the
-Values in the result into tracers again). Operations on plain arrays leave at
-once: only Values ever become tracers of this trace.
+sees an ordinary array. Every operation that reaches `QuaxTrace` takes the same
+path, as in Autodidax's interpreter:
 
-The custom-derivative and `shard_map` hooks dispatch too, on
+1. *open* (`_open`): take over the tracers of adopted traces, and unwrap this
+   trace's tracers into their Values; an operation with none of them is the
+   parent trace's business and leaves at once.
+2. *plan* (`plan_for`): the rule registry's plan for these argument kinds,
+   looked up once per operation.
+3. *shortcut* (only for a rule that owns shortcuts, the `jit`/`closed_call`
+   rule of `_higher_order/_jit.py`, and only where `_staging.shortcuts_apply`
+   allows): the rule's own shortcut may answer for it.
+4. *dispatch* (`_dispatch`): apply the plan under the parent trace, recording
+   it under `explain`.
+5. *wrap*: Values in the result become tracers again; checked mode compares
+   the result with the primitive's abstract evaluation.
+
+The custom-derivative and `shard_map` hooks open and dispatch the same way, on
 `custom_jvp_call_p`, `custom_vjp_call_p` and `shard_map_p`, so a type can
 register its own rule for them; the built-in rules live in `_higher_order`.
-Running a sub-program in place (the speed layer) is in `_sub_programs`.
 """
 
 from typing import Any
@@ -20,10 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _concrete, _instrument, _jax_compat as jc, _sub_programs
+from . import _concrete, _instrument, _jax_compat as jc
 from ._diagnostics import messages, QuaxlikeError, rule_location, rule_name
 from ._rules import default_description, dispatch_kind, Plan, plan_for
-from ._values import checked_aval, is_value, Value
+from ._staging import shortcuts_apply
+from ._values import checked_aval, describe, is_value, Value
 
 
 class QuaxTracer(jc.Tracer):
@@ -80,7 +89,6 @@ class QuaxTrace(jc.Trace):
         # evaluation; it takes the same paths as an unchecked trace.
         self.checking = _instrument.checking.get()
         self.eager = jc.is_eager(parent_trace)
-        self.sub_programs = _sub_programs.SubPrograms(self)
 
     # --- lift ------------------------------------------------------------------
 
@@ -93,32 +101,51 @@ class QuaxTrace(jc.Trace):
     def unwrap(self, x: Any) -> Any:
         return x.value if type(x) is QuaxTracer and x._trace is self else x
 
-    def _values_of(self, tracers) -> list | None:
-        """The arguments with this trace's tracers unwrapped, or `None` when none
-        of them is one (then the operation is not this trace's business)."""
+    def _open(self, tracers) -> tuple[Any, list | None]:
+        """`(tracers, values)`: the tracers, with those of adopted traces taken
+        over, and the same list with this trace's tracers unwrapped into their
+        Values, or `None` when there are none (then the operation is not this
+        trace's business)."""
+        if self.adopts:
+            with jc.set_current_trace(self.parent_trace):  # `aval()` may bind primitives
+                tracers = [
+                    QuaxTracer(self, t.value)
+                    if type(t) is QuaxTracer and any(t._trace is outer for outer in self.adopts)
+                    else t
+                    for t in tracers
+                ]
         for t in tracers:
             if type(t) is QuaxTracer and t._trace is self:
-                return [
+                values = [
                     x.value if type(x) is QuaxTracer and x._trace is self else x for x in tracers
                 ]
-        return None
-
-    def _adopt(self, tracers):
-        with jc.set_current_trace(self.parent_trace):  # `aval()` may bind primitives
-            return [
-                QuaxTracer(self, t.value)
-                if type(t) is QuaxTracer and any(t._trace is outer for outer in self.adopts)
-                else t
-                for t in tracers
-            ]
+                return tracers, values
+        return tracers, None
 
     # --- dispatch ----------------------------------------------------------------
 
-    def _dispatch(self, primitive, plan: Plan, tracers, values, params):
+    def apply_plan(self, primitive, plan: Plan, tracers, values, kinds, params):
+        """Steps 3 to 5 for `primitive` on `tracers` (opened into `values`, of
+        `dispatch_kind`s `kinds`), whose plan is `plan`. (Also where the `jit`
+        shortcut's `inline` hands an equation whose plan it already has.)"""
+        if plan.shortcut is not None and shortcuts_apply(self.observing):
+            out = plan.shortcut(self, primitive, plan, tracers, values, kinds, params)
+            if out is not NotImplemented:
+                if self.checking:
+                    self._check(primitive, tracers, params, out, plan.rule)
+                return out
+        return self._dispatch(primitive, plan, tracers, values, params)
+
+    def _dispatch(self, primitive, plan: Plan, tracers, values, params, wrap=None):
         """Apply `plan` under the parent trace, as rules run, and wrap what it
-        returns (recording it under `explain`, checking it in checked mode)."""
+        returns with `wrap(out, primitive, rule)` (`_wrap_outputs` unless
+        given), recording it under `explain` and checking it in checked mode."""
         recorder = _instrument.recorder.get() if self.observing else None
-        record = recorder.open(primitive, values) if recorder is not None else None
+        record = (
+            recorder.open(primitive.name, tuple(map(describe, values)))
+            if recorder is not None
+            else None
+        )
         try:
             with jc.set_current_trace(self.parent_trace):
                 out, rule = plan.apply(
@@ -126,7 +153,7 @@ class QuaxTrace(jc.Trace):
                 )
                 # Wrapped where the rule ran: a Value's `aval()` is user code
                 # and may bind primitives (`lax.stop_gradient`) on its leaves.
-                outputs = self._wrap_outputs(out, primitive, rule)
+                outputs = (wrap or self._wrap_outputs)(out, primitive, rule)
         finally:
             if record is not None:
                 recorder.close(record)  # pyright: ignore[reportOptionalMemberAccess]
@@ -135,8 +162,8 @@ class QuaxTrace(jc.Trace):
                 record.rule = rule_name(rule)
                 record.location = rule_location(rule)
             else:
-                record.default_owner = default_description(primitive, values)
-        if self.checking:
+                record.default_owner = default_description(plan)
+        if self.checking and wrap is None:
             self._check(primitive, tracers, params, outputs, rule)
         return outputs
 
@@ -187,28 +214,18 @@ class QuaxTrace(jc.Trace):
     # --- the hooks JAX calls -----------------------------------------------------
 
     def process_primitive(self, primitive, tracers, params):
-        if self.adopts:
-            tracers = self._adopt(tracers)
-        values = self._values_of(tracers)
+        tracers, values = self._open(tracers)
         if values is None:
-            # No Value involved: the parent trace's business. (Its
-            # `process_primitive` directly: `Primitive.bind` made its checks on
-            # the way here, with these same arguments and params.)
+            # The parent trace's `process_primitive` directly: `Primitive.bind`
+            # made its checks on the way here, with these arguments and params.
             return self.parent_trace.process_primitive(primitive, tracers, params)
         kinds = tuple(map(dispatch_kind, values))
         plan = plan_for(primitive, values, kinds)
-        if plan.sub_program is not None and not self.observing:
-            out = self.sub_programs.run(primitive, plan, tracers, values, kinds, params)
-            if out is not NotImplemented:
-                if self.checking:
-                    self._check(primitive, tracers, params, out, plan.rule)
-                return out
-        return self._dispatch(primitive, plan, tracers, values, params)
+        return self.apply_plan(primitive, plan, tracers, values, kinds, params)
 
     def process_call(self, call_primitive, f, tracers, params):
-        if self.adopts:
-            tracers = self._adopt(tracers)
-        if self._values_of(tracers) is None:
+        tracers, values = self._open(tracers)
+        if values is None:
             with jc.set_current_trace(self.parent_trace):
                 return call_primitive.bind(f, *tracers, **params)
         # Inline the call: its body runs under this trace.
@@ -218,9 +235,7 @@ class QuaxTrace(jc.Trace):
     # The custom-derivative hooks dispatch on their primitive like any other
     # operation, with JAX's functions as params (see `_higher_order/_custom_ad`).
     def process_custom_jvp_call(self, primitive, fun, jvp, tracers, *, symbolic_zeros, **_):
-        if self.adopts:
-            tracers = self._adopt(tracers)
-        values = self._values_of(tracers)
+        tracers, values = self._open(tracers)
         if values is None:
             return self.parent_trace.process_custom_jvp_call(
                 primitive, fun, jvp, tracers, symbolic_zeros=symbolic_zeros
@@ -231,34 +246,31 @@ class QuaxTrace(jc.Trace):
     def process_custom_vjp_call(
         self, primitive, fun, fwd, bwd, tracers, out_trees=None, symbolic_zeros=False, **_
     ):
-        if self.adopts:
-            tracers = self._adopt(tracers)
-        values = self._values_of(tracers)
+        tracers, values = self._open(tracers)
+        options = dict(out_trees=out_trees, symbolic_zeros=symbolic_zeros)
         if values is None:
             return self.parent_trace.process_custom_vjp_call(
-                primitive,
-                fun,
-                fwd,
-                bwd,
-                tracers,
-                out_trees=out_trees,
-                symbolic_zeros=symbolic_zeros,
+                primitive, fun, fwd, bwd, tracers, **options
             )
-        params = dict(fun=fun, fwd=fwd, bwd=bwd, out_trees=out_trees, symbolic_zeros=symbolic_zeros)
+        params = dict(fun=fun, fwd=fwd, bwd=bwd, **options)
         return self._dispatch(primitive, plan_for(primitive, values), tracers, values, params)
 
     def process_shard_map(self, primitive, fun, args, **params):
-        if self.adopts:
-            args = self._adopt(args)
+        args, values = self._open(args)
         # Dispatched even with no Value among the arguments: the mapped function
         # may close over Values of this trace. The params are JAX's, plus `fun`
-        # (the mapped function) and `outer_trace` (this trace).
-        values = [self.unwrap(t) for t in args]
+        # (the mapped function) and `outer_trace` (this trace). The result is
+        # not checked against `shard_map_p`'s abstract evaluation, which needs
+        # the body's jaxpr where the hook has only the function (the body's
+        # own operations are checked in its trace).
+        values = list(args) if values is None else values
         params = dict(params, fun=fun, outer_trace=self)
-        plan = plan_for(primitive, values)
-        with jc.set_current_trace(self.parent_trace):
-            out, rule = plan.apply(primitive, tuple(values), params)
+
+        def wrap(out, primitive, rule):
             return jc.map_shard_map_result(out, lambda x: self._wrap_output(x, primitive, rule))
+
+        plan = plan_for(primitive, values)
+        return self._dispatch(primitive, plan, args, values, params, wrap=wrap)
 
     def stage_value(self, val):
         if self.owns(val):

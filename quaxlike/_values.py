@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jaxtyping import ArrayLike
 
-from . import _jax_compat as jc, _policy
+from . import _instrument, _jax_compat as jc, _policy
 from ._diagnostics import MaterialisationError, messages, QuaxlikeError
 
 
@@ -369,6 +369,7 @@ def materialise_value(
         aval = checked_aval(value)
     if not fallback:
         return _materialise_as(value, aval, primitive)
+    _instrument.note_materialised(value)
     _policy.on_fallback(value, primitive)
     return _materialise_as(
         value, aval, primitive, refused=lambda error: _refused(value, primitive, operands, error)

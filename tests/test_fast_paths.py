@@ -1,4 +1,4 @@
-"""The interpreter's fast paths (see quaxlike/_sub_programs.py).
+"""The interpreter's fast paths (see quaxlike/_higher_order/_jit.py and _sub_programs.py).
 
 - Sub-programs of `jit(inline=True)` functions (most of `jax.numpy`) are evaluated
   in the trace itself.

@@ -1,4 +1,4 @@
-"""The JAX compatibility layer (quaxlike/_jax_compat.py): every probe's fallback
+"""The JAX compatibility layer (quaxlike/_jax_compat/): every probe's fallback
 is exercised here, on stand-ins shaped like an older or newer JAX, so a
 fallback that rots fails a test on any release. (The release matrix in
 .ci/run runs the real thing on every minor series from 0.7.2.)"""
@@ -27,12 +27,16 @@ def _module(**attributes):
 
 def test_first_found_falls_back_to_the_next_module():
     older = _module(set_current_trace="old")
-    assert jc._first((_module(), "set_current_trace"), (older, "set_current_trace")) == "old"
-    assert jc._first((None, "x"), (_module(x=None), "x")) is None
+    assert (
+        jc._probing._first((_module(), "set_current_trace"), (older, "set_current_trace")) == "old"
+    )
+    assert jc._probing._first((None, "x"), (_module(x=None), "x")) is None
 
 
 def test_a_missing_internal_raises_naming_version_range_and_what():
-    unavailable = jc._unavailable("jax._src.core.trace_ctx", "running a quaxified function")
+    unavailable = jc._probing._unavailable(
+        "jax._src.core.trace_ctx", "running a quaxified function"
+    )
     with pytest.raises(jc.JaxCompatibilityError) as info:
         unavailable()
     message = str(info.value)
@@ -42,16 +46,18 @@ def test_a_missing_internal_raises_naming_version_range_and_what():
 
 
 def test_version_comparison():
-    assert jc._version_tuple("0.12.0.1") > jc._version_tuple("0.12.0")
-    assert jc._version_tuple("0.13.0.dev20270101") > jc._version_tuple(jc.TESTED_RANGE[1])
-    assert jc._version_tuple("0.7.2") == (0, 7, 2)
+    assert jc._probing._version_tuple("0.12.0.1") > jc._probing._version_tuple("0.12.0")
+    assert jc._probing._version_tuple("0.13.0.dev20270101") > jc._probing._version_tuple(
+        jc.TESTED_RANGE[1]
+    )
+    assert jc._probing._version_tuple("0.7.2") == (0, 7, 2)
 
 
 # --- the trace API ------------------------------------------------------------------
 
 
 def test_current_trace_fallbacks_agree_with_jax():
-    real = jc._core
+    real = jc._probing._core
     readers = [
         jc.current_trace_reader(real, jc.jex_core),
         # No trace_ctx: `unsafe_get_current_trace`.
@@ -89,12 +95,14 @@ def test_tracer_initialiser_for_both_signatures():
             self._trace, self.aval = trace, aval
 
     for base in (OldTracer, NewTracer):
-        takes_aval = jc._init_takes_aval(base)
+        takes_aval = jc._trace_api._init_takes_aval(base)
         assert takes_aval == (base is NewTracer)
         tracer = object.__new__(base)
         jc.tracer_initialiser(base, takes_aval)(tracer, "trace", "aval")
         assert (tracer._trace, tracer.aval) == ("trace", "aval")
-    assert "aval" in jc._slots_of(NewTracer) and "aval" not in jc._slots_of(object)
+    assert "aval" in jc._trace_api._slots_of(NewTracer) and "aval" not in jc._trace_api._slots_of(
+        object
+    )
 
 
 def test_binder_for_both_signatures():
@@ -118,8 +126,8 @@ def test_binder_for_both_signatures():
 def test_quaxify_runs_with_the_fallbacks_of_speed_shortcuts(monkeypatch):
     # Equation contexts not interned (jax < 0.10.2) and concrete arrays without
     # a readable aval: every equation's context is entered, keys use typeof.
-    monkeypatch.setattr(jc, "_EQN_CONTEXTS_INTERNED", False)
-    monkeypatch.setattr(jc, "_ARRAY_CARRIES_AVAL", False)
+    monkeypatch.setattr(jc._trace_api, "_EQN_CONTEXTS_INTERNED", False)
+    monkeypatch.setattr(jc._trace_api, "_ARRAY_CARRIES_AVAL", False)
     assert jc.current_eqn_context() is None
     x = randn(0, (3,))
     value = quaxlike.DenseArrayValue(x)
@@ -130,8 +138,8 @@ def test_quaxify_runs_with_the_fallbacks_of_speed_shortcuts(monkeypatch):
 
 
 def test_register_tracer_class_without_jax_s_table(monkeypatch):
-    monkeypatch.setattr(jc, "_aval_mappings", None)
-    monkeypatch.setattr(jc, "_disabled", [])
+    monkeypatch.setattr(jc._trace_api, "_aval_mappings", None)
+    monkeypatch.setattr(jc._probing, "_disabled", [])
 
     class Stray(jc.Tracer):
         pass
@@ -197,9 +205,9 @@ def test_custom_call_primal_jaxpr():
 def test_jit_inline_param_both_forms():
     assert jc.jit_inlines_at_trace(True) and not jc.jit_inlines_at_trace(False)
     assert not jc.jit_inlines_at_trace("something new")
-    if jc._Inline is not None:  # jax >= 0.11: an enum
-        assert jc.jit_inlines_at_trace(jc._Inline.JAX_EARLY)
-        others = [m for m in jc._Inline if m is not jc._Inline.JAX_EARLY]
+    if jc._primitives._Inline is not None:  # jax >= 0.11: an enum
+        assert jc.jit_inlines_at_trace(jc._primitives._Inline.JAX_EARLY)
+        others = [m for m in jc._primitives._Inline if m is not jc._primitives._Inline.JAX_EARLY]
         assert others and not any(map(jc.jit_inlines_at_trace, others))
 
 
@@ -262,7 +270,7 @@ def test_shard_map_body_old_protocol():
 
 
 def test_stand_in_primitives_are_inert():
-    stand_in = jc._stand_in_primitive("gone")
+    stand_in = jc._primitives._stand_in_primitive("gone")
     assert isinstance(stand_in, jc.Primitive) and stand_in.name == "quaxlike_missing_gone"
     assert jc.lax_primitive_by_name("quaxlike_missing_gone") is None
 

@@ -8,7 +8,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import ArrayLike
 
-from .._staging import split_arrays
+from .._staging import split_arrays, StagedCall
 from .._values import materialise_value, Value
 
 
@@ -20,7 +20,8 @@ def to_dense(x: Any, primitive) -> Any:
 
 
 def through_array_leaves(transform: Callable, fn: Callable, args: Sequence[Any]):
-    """Call `transform(body)` where `body` takes only the array leaves of `args`.
+    """`transform(body)(...)` where `body` takes only the array leaves of `args`
+    (a `StagedCall` made with `transform`, used once).
 
     JAX transformations (`jax.jit`, `jax.checkpoint`, ...) accept PyTrees of arrays;
     Values are PyTrees, but may hold non-array leaves (Python numbers, strings).
@@ -28,15 +29,7 @@ def through_array_leaves(transform: Callable, fn: Callable, args: Sequence[Any])
     outside the transformation, as `eqx.filter_jit` does.
     """
     split = split_arrays(list(args))
-    out_split = []
-
-    def body(*in_arrays):
-        out = split_arrays(fn(*split.join(in_arrays)))
-        out_split[:] = [out.structure()]
-        return out.arrays
-
-    out_arrays = transform(body)(*split.arrays)
-    return out_split[0].join(out_arrays)
+    return StagedCall(fn, "body", split, transform)(split.arrays)
 
 
 def type_signature(x: Any):

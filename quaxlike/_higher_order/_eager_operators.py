@@ -5,8 +5,8 @@ other` calls `jax.numpy`'s jitted `add` with a tracer among its arguments, so
 JAX takes the Python path of `jax.jit` (tens of microseconds: flattening,
 abstract evaluation, binding `jit_p`) before the trace sees the call. Where
 every operation of that call on the Values would only materialise them, the
-trace then materialises them and binds the call on the dense arrays (see
-`_sub_programs`): the result is exactly `dense_value + dense_other` as JAX
+`jit` rule's shortcut then materialises them and binds the call on the dense
+arrays (see `_jit`): the result is exactly `dense_value + dense_other` as JAX
 computes it. For the arithmetic operators, this module takes that step
 directly: `QuaxTracer`'s operator methods materialise and apply the operator to
 the dense arrays, going through JAX's own fast path. Measured gain: eager
@@ -14,8 +14,8 @@ the dense arrays, going through JAX's own fast path. Measured gain: eager
 
 Only taken where nothing can tell the two apart: the current trace is the
 eager `QuaxTrace` itself (not a transformation inside the quaxified function),
-`jax.disable_jit` is off, the materialise policy is "allow", nothing is being
-explained, the other operand is a Value lifted by the same trace, a concrete
+`jax.disable_jit` is off, `shortcuts_apply` (the predicate every shortcut
+reads), the other operand is a Value lifted by the same trace, a concrete
 array, a NumPy array or a Python number, the rule that dispatch would choose
 for the call is the built-in one, and the operator's program on operands of
 these kinds and avals only materialises the Values. Otherwise the operator runs
@@ -28,9 +28,10 @@ from typing import cast
 import jax
 import numpy as np
 
-from .. import _jax_compat as jc, _policy
+from .. import _jax_compat as jc
 from .._diagnostics import MaterialisationError
 from .._rules import on_rules_changed, plan_for
+from .._staging import shortcuts_apply
 from .._sub_programs import only_materialises
 from .._trace import QuaxTracer
 from .._values import is_value, materialise_value, Value
@@ -39,15 +40,11 @@ from .._values import is_value, materialise_value, Value
 # Binary operators whose `jax.numpy` function is `jax.jit`-wrapped with both
 # operands as traced arguments, as functions of (this operand, the other).
 _OPERATORS = {
-    "add": operator.add,
-    "sub": operator.sub,
-    "mul": operator.mul,
-    "truediv": operator.truediv,
-    "floordiv": operator.floordiv,
-    "mod": operator.mod,
-    "matmul": operator.matmul,
+    name: getattr(operator, name)
+    for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "matmul")
 }
-_NUMBERS = (bool, int, float, complex, np.ndarray)
+# Other operands the shortcut takes: concrete arrays, NumPy arrays, numbers.
+_OPERANDS = (jax.Array, bool, int, float, complex, np.ndarray)
 
 # (operator name, operand kinds, operand avals) -> whether the shortcut applies.
 _applies: dict[tuple, bool] = {}
@@ -87,16 +84,9 @@ def _dense_operator(tracer: QuaxTracer, name: str, function, other):
             return NotImplemented
         other_aval = other.aval
         other = other.value
-    elif is_value(other) or not isinstance(other, (jax.Array, *_NUMBERS)):
+    elif is_value(other) or isinstance(other, jc.Tracer) or not isinstance(other, _OPERANDS):
         return NotImplemented
-    elif isinstance(other, jc.Tracer):
-        return NotImplemented
-    if (
-        jc.current_trace() is not trace
-        or trace.observing
-        or _policy.current_mode() != "allow"
-        or jc.jit_disabled()
-    ):
+    if jc.current_trace() is not trace or not shortcuts_apply(trace.observing) or jc.jit_disabled():
         return NotImplemented
     value = tracer.value
     try:

@@ -1,13 +1,89 @@
 """`jit` (a `jax.jit` inside the quaxified function, and every `jax.numpy`
-function) and `closed_call`."""
+function) and `closed_call` on Values: the rule, and the shortcuts it owns.
+
+What happens to such a call, in the order it runs:
+
+1. The trace finds this rule in the call's plan and, where `shortcuts_apply`
+   (nothing observes the trace and the policy is "allow"), offers the call to
+   `shortcut` first, with the tracers it met.
+2. `shortcut` answers with one of three faster ways to the rule's result, or
+   hands the call back (`NotImplemented`):
+   - *materialise at the call* (`_sub_programs.materialise_at_call`) when the
+     sub-program's verdict says every operation on a Value would only
+     materialise it: the call bound once on the dense arrays (eagerly, one
+     compiled call, exactly as JAX runs it on arrays);
+   - *inline* (`_sub_programs.inline`) a `jit` that JAX itself inlines where it
+     is traced: its equations run in the same trace, no nested trace; the first
+     time under a transformation, this also works out the verdict;
+   - otherwise the rule runs.
+3. The rule (`jit_p_values`): a `jit` that JAX inlines runs its body in place
+   under a nested `quaxify` (eagerly the rules then see concrete arrays, as in
+   Quax), unless every Value type opts in to compiling eagerly
+   (`Value.compile_eagerly`). Any other `jit` keeps its boundary: its body runs
+   under `quaxify` inside a `jax.jit` over the array leaves of the arguments,
+   compiled once per argument types and reused.
+"""
 
 from .. import _jax_compat as jc
 from .._quaxify import lifted_call
 from .._rules import register, sub_program_rule
-from .._staging import compiled_calls_apply, CompiledCalls, split_arrays, StagedCall
-from .._values import Value
+from .._staging import CompiledCalls, shortcuts_apply, split_arrays, StagedCall
+from .._sub_programs import inline, materialise_at_call, only_materialises, verdicts_of
+from .._values import is_value
 from ._common import AnyValue
 
+
+def compiles_eagerly(values) -> bool:
+    """Whether every Value type among `values` opts in to running `jax.numpy`
+    functions compiled in eager code (`Value.compile_eagerly`)."""
+    return all(type(v).compile_eagerly for v in values if is_value(v))
+
+
+# --- the shortcut --------------------------------------------------------------
+
+
+def shortcut(trace, primitive, plan, tracers, values, kinds, params):
+    """The rule's result for `primitive` on `values` (this trace's `tracers`
+    unwrapped, of `dispatch_kind`s `kinds`) by a shortcut, or `NotImplemented`
+    to let the rule run. Only called where `shortcuts_apply`."""
+    closed_jaxpr, inlines = plan.sub_program(params)
+    if closed_jaxpr is None:
+        return NotImplemented
+    if trace.eager:
+        if _eager_verdict(closed_jaxpr, values, kinds, trace.parent_trace):
+            out = materialise_at_call(trace, primitive, tracers, values, params)
+            if out is not NotImplemented:
+                return out
+        if inlines and not compiles_eagerly(values):
+            return inline(trace, closed_jaxpr, tracers)
+        return NotImplemented
+    if not inlines:
+        return NotImplemented
+    known = verdicts_of(closed_jaxpr)
+    key = (type(trace.parent_trace), kinds)
+    verdict = known.get(key)
+    if verdict is None:  # the first call: inline it and observe
+        outputs, known[key] = inline(trace, closed_jaxpr, tracers, judge=True)
+        return outputs
+    if verdict:
+        out = materialise_at_call(trace, primitive, tracers, values, params)
+        if out is not NotImplemented:
+            return out
+    return inline(trace, closed_jaxpr, tracers)
+
+
+def _eager_verdict(closed_jaxpr, values, kinds, eager_trace) -> bool:
+    # Worked out without running anything, so that no eager call is ever run
+    # op by op once and compiled the next time.
+    known = verdicts_of(closed_jaxpr)
+    key = ("eager", kinds)
+    verdict = known.get(key)
+    if verdict is None:
+        verdict = known[key] = only_materialises(closed_jaxpr, values, eager_trace)
+    return verdict
+
+
+# --- the rule ------------------------------------------------------------------
 
 # One compiled body per (sub-program, name, structure and non-array leaves of
 # the arguments, avals of their array leaves), so that calling a jitted
@@ -17,24 +93,6 @@ from ._common import AnyValue
 _bodies = CompiledCalls()
 
 
-def compiles_eagerly(values) -> bool:
-    """Whether every Value type among `values` opts in to running `jax.numpy`
-    functions compiled in eager code (`Value.compile_eagerly`)."""
-    return all(type(v).compile_eagerly for v in values if isinstance(v, Value))
-
-
-def _compiled_body(jaxpr, name: str, args) -> "tuple[StagedCall, list] | None":
-    if not compiled_calls_apply():
-        return None
-    split = split_arrays(list(args))
-    try:
-        key = (jaxpr, name, *split.key())
-        body = _bodies.get(key, lambda: StagedCall(_body_of(jaxpr), name, split))
-    except TypeError:  # unhashable non-array leaves: no caching
-        return None
-    return body, split.arrays
-
-
 def _body_of(jaxpr):
     def body(*args):
         return lifted_call(jc.jaxpr_as_fun(jaxpr), *args)
@@ -42,36 +100,29 @@ def _body_of(jaxpr):
     return body
 
 
-def _runs_in_place(args, params) -> bool:
-    return jc.jit_inlines_at_trace(params.get("inline", False)) and not (
-        compiles_eagerly(args) and jc.is_eager(jc.current_trace())
-    )
-
-
 def _jit_sub_program(params) -> tuple:
-    return params["jaxpr"], jc.jit_inlines_at_trace(params.get("inline", False))
+    inline = params.get("inline", False)  # a bool up to jax 0.10: no call needed
+    if inline is not True and inline is not False:
+        inline = jc.jit_inlines_at_trace(inline)
+    return params["jaxpr"], inline
 
 
 @register(jc.jit_p)
-@sub_program_rule(_jit_sub_program)
+@sub_program_rule(_jit_sub_program, shortcut)
 def jit_p_values(*args: AnyValue, jaxpr, name: str = "jit", **params):
-    """The built-in rule for `jit`. A `jit` that JAX inlines where it is traced
-    (`jax.numpy`'s functions) runs its body in place, operation by operation
-    (eagerly, the rules then see concrete arrays, as in Quax), unless every
-    Value type opts in to compiling eagerly (`Value.compile_eagerly`). Any other
-    `jit` keeps its boundary: the body runs under `quaxify` inside a `jax.jit`
-    over the array leaves of the arguments, compiled once per argument types."""
-    if _runs_in_place(args, params):
+    """The built-in rule for `jit` (see the module docstring, step 3)."""
+    if jc.jit_inlines_at_trace(params.get("inline", False)) and not (
+        compiles_eagerly(args) and jc.is_eager(jc.current_trace())
+    ):
         return lifted_call(jc.jaxpr_as_fun(jaxpr), *args)
-    compiled = _compiled_body(jaxpr, name, args)
-    if compiled is not None:
-        body, arrays = compiled
-        return body(arrays)
     split = split_arrays(list(args))
-    return StagedCall(_body_of(jaxpr), name, split)(split.arrays)
+    make = lambda: StagedCall(_body_of(jaxpr), name, split)  # noqa: E731
+    # A cached compiled body may stand in for tracing the rules again.
+    body = _bodies.get((jaxpr, name, *split.key()), make) if shortcuts_apply() else None
+    return (body or make())(split.arrays)
 
 
 @register(jc.closed_call_p)
-@sub_program_rule(lambda params: (params["call_jaxpr"], True))
+@sub_program_rule(lambda params: (params["call_jaxpr"], True), shortcut)
 def closed_call_p_values(*args: AnyValue, call_jaxpr, **params):
     return lifted_call(jc.jaxpr_as_fun(call_jaxpr), *args)

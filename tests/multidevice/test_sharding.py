@@ -94,6 +94,67 @@ def test_lora_keeps_its_structure(mesh, spec, jit):
         assert (a_spec, b_spec) == (P(), P(None, "x"))
 
 
+def test_explain_records_the_shard_map_rule(mesh):
+    # `shard_map` goes through the trace's dispatch like every other primitive:
+    # `explain` records the rule that handled it, and the body's operations
+    # inside it.
+    lora, x = _lora(), randn(5, (8, 16))
+
+    def f(w, v):
+        return jax.shard_map(
+            lambda w, v: w @ v, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")
+        )(w, v)
+
+    report = quaxlike.explain(f)(lora, x)
+    (record,) = [r for r in report.records if r.primitive == "shard_map"]
+    assert record.rule.endswith("shard_map_p_values")
+    assert record.arg_types[0] == "LoraArray[float32[16,8]]"
+    assert any(child.primitive == "dot_general" for child in _descendants(record))
+
+
+def _descendants(record):
+    for child in record.children:
+        yield child
+        yield from _descendants(child)
+
+
+def test_checked_mode_runs_shard_map_and_checks_its_body(mesh):
+    # Checked mode does not compare the shard_map's own result with
+    # `shard_map_p`'s abstract evaluation (which needs the body's jaxpr; the
+    # hook has only the function), but the body's operations are checked in
+    # their own trace: a rule there returning the wrong shape is caught.
+    lora, x = _lora(), randn(5, (8, 16))
+
+    def f(w, v):
+        return jax.shard_map(
+            lambda w, v: w @ v, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")
+        )(w, v)
+
+    token = quaxlike._instrument.checking.set(True)
+    try:
+        out = quaxlike.quaxify(f)(lora, x)
+        assert tree_allclose(out, _dense(lora) @ x, rtol=1e-4, atol=1e-4)
+
+        class Wrong(quaxlike.ArrayValue):
+            array: jax.Array
+
+            def aval(self):
+                return jax.core.ShapedArray(self.array.shape, self.array.dtype)
+
+            def materialise(self):
+                return self.array
+
+        @quaxlike.register(jax.lax.neg_p)
+        def neg_p_wrong(x: Wrong, **params):
+            return x.array[:1]
+
+        g = lambda w: jax.shard_map(lambda w: -w, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(w)  # noqa: E731
+        with pytest.raises(quaxlike.QuaxlikeError, match="neg"):
+            quaxlike.quaxify(g)(Wrong(randn(1, (16, 4))))
+    finally:
+        quaxlike._instrument.checking.reset(token)
+
+
 def test_value_returned_from_shard_map(mesh):
     lora = _lora()
     f = lambda w: jax.shard_map(lambda w: -w, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(w)  # noqa: E731
