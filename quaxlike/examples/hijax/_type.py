@@ -122,10 +122,8 @@ class UnitfulArrayTy(HiType):
     def vspace_zero(self):
         return UnitfulArray(jnp.zeros(self.shape, self.dtype), self.units)
 
-    def vspace_add(self, x, y):
-        from ._unitful_array import add  # the primitives are built on this type
-
-        return add(x, y)
+    # `vspace_add` (adding two tangents) is the `add` primitive, which is built on
+    # this type: `_unitful_array` sets it when it defines that primitive.
 
     # vmap, and scan through it: a batch is one more leading axis, same units.
     def dec_rank(self, size, spec):

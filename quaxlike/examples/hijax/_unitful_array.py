@@ -368,6 +368,18 @@ def add(x: Any, y: Any, /) -> UnitfulArray:
     return _Add(jax.typeof(x), jax.typeof(y))(x, y)
 
 
+def _vspace_add(ty: UnitfulArrayTy, x: Any, y: Any) -> UnitfulArray:
+    """Two tangents of one type add with the `add` primitive (JAX's vector-space
+    addition for a high-level type, used when gradients are summed)."""
+    del ty
+    return add(x, y)
+
+
+# The type comes first (`_type`), the primitives on it here; the type's tangent
+# addition is one of those primitives, so it is attached once both exist.
+UnitfulArrayTy.vspace_add = _vspace_add  # type: ignore[method-assign]
+
+
 def mul(x: Any, y: Any, /) -> UnitfulArray:
     """`x * y`; either may be a plain array (dimensionless).
 
