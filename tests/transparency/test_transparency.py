@@ -30,6 +30,11 @@ import quaxlike
 pytestmark = pytest.mark.loose_promotion
 
 
+# The known differences were established on the 0.10 series (the main suite's);
+# on other releases they are expected failures that may also pass.
+_VERIFIED_SERIES = tuple(int(p) for p in jax.__version__.split(".")[:2]) == (0, 10)
+
+
 @pytest.fixture(autouse=True)
 def _no_leak_check():
     with jax.check_tracer_leaks(False):
@@ -41,7 +46,7 @@ def _params(mode: str) -> list:
     for c in CASES:
         marks = [] if c.sampled else [pytest.mark.slow]
         if mode in c.xfail:
-            marks.append(pytest.mark.xfail(reason=c.xfail[mode], strict=True))
+            marks.append(pytest.mark.xfail(reason=c.xfail[mode], strict=_VERIFIED_SERIES))
         out.append(pytest.param(c, id=c.name, marks=marks))
     return out
 
