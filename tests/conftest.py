@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 
 # Test files in subfolders (tests/examples, tests/conformance) import `helpers`.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _slow_shards import parse_slow_shard, slow_shard_of  # noqa: E402
 
 
 # JAX's tracer-leak checker (JAX_CHECK_TRACER_LEAKS=1) is on for every test of the
@@ -62,14 +63,30 @@ def _leak_checks_for_the_core(request):
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="run the exhaustive sweeps")
+    parser.addoption(
+        "--slow-shard",
+        metavar="K/N",
+        help="besides the default tests, run shard K of N (1 <= K <= N) of the exhaustive "
+        "sweeps: the slow tests whose node id hashes to it (CI runs one shard per commit)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--run-slow"):
         return
-    skip = pytest.mark.skip(reason="exhaustive sweep: pass --run-slow")
+    spec = config.getoption("--slow-shard")
+    if spec is None:
+        skip = pytest.mark.skip(reason="exhaustive sweep: pass --run-slow")
+        shard = None
+    else:
+        shard = parse_slow_shard(spec)
+        skip = pytest.mark.skip(
+            reason=f"exhaustive sweep outside shard {spec}: pass --run-slow for every shard"
+        )
     for item in items:
         if "slow" in item.keywords:
+            if shard is not None and slow_shard_of(item.nodeid, shard[1]) == shard[0]:
+                continue
             item.add_marker(skip)
 
 

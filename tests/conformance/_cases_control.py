@@ -3,6 +3,7 @@ checkpointing, shard_map), callbacks, collectives over a named axis, sharding an
 other annotations, mutable references and `jax.export`."""
 
 import functools as ft
+import os
 
 import jax
 import jax.extend.core as jex_core
@@ -223,6 +224,9 @@ def _io_callback(x):
     return io_callback(lambda a: np.asarray(a) * 2.0, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
 
 
+# Checked mode (QUAXLIKE_CHECK=1, read as quaxlike reads it).
+_CHECKED = os.environ.get("QUAXLIKE_CHECK", "0") == "1"
+
 CASES = [
     # --- jit and calls ------------------------------------------------------------
     case("jit", jax.jit(lambda x, y: x * y + 1.0), f32(3, 4), f32(3, 4), prims="jit"),
@@ -415,7 +419,8 @@ CASES = [
         f32(3, 4),
         prims="dce_sink",
         grad=False,
-        xfail={"vmap": DCE_SINK_BATCHING},
+        # Only checked mode rejects JAX's batching rule; unchecked, it matches.
+        xfail={"vmap": DCE_SINK_BATCHING} if _CHECKED else {},
     ),
     case(
         "composite",

@@ -5,6 +5,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 from _inputs import c64, case, f32, idx, key, lower, pos, raw_key, spd, sym, u32
+from _known_bugs import SLOGDET_GRAD_RECURSION
 from jax import lax
 from jax._src.lax import linalg as lax_linalg_internal
 from jax._src.random import philox2x32, philox4x32, threefry4x32
@@ -204,7 +205,14 @@ CASES = [
     ),
     case("inv", jnp.linalg.inv, spd(3), prims=("lu", "custom_linear_solve"), tol=_LINALG_TOL),
     case("det", jnp.linalg.det, spd(4), prims=("lu", "custom_jvp_call"), tol=_LINALG_TOL),
-    case("slogdet", jnp.linalg.slogdet, spd(3), prims="lu", tol=_LINALG_TOL),
+    case(
+        "slogdet",
+        jnp.linalg.slogdet,
+        spd(3),
+        prims="lu",
+        tol=_LINALG_TOL,
+        xfail={"grad": SLOGDET_GRAD_RECURSION},
+    ),
     case(
         "lstsq",
         lambda a, b: jnp.linalg.lstsq(a, b)[0],

@@ -196,7 +196,12 @@ def scalarise(out):
 
 def batch(x):
     """Two examples stacked along a new leading axis: for floats the second is
-    scaled by 0.75 (which keeps them in every row's domain), for the rest a copy."""
+    scaled by 0.75 (which keeps them in every row's domain), for the rest a copy. A
+    weakly typed scalar stays weakly typed (a broadcast copy), as a batch of Python
+    scalars would be: stacking would make it strong, and then the rows that add it
+    to a bfloat16 or complex array would mix dtypes."""
+    if getattr(x, "weak_type", False):
+        return jnp.broadcast_to(x, (2, *jnp.shape(x)))
     if is_real_float(x) or (hasattr(x, "dtype") and jnp.iscomplexobj(x)):
         return jnp.stack([x, (x * 0.75).astype(x.dtype)])
     return jnp.stack([x, x])
