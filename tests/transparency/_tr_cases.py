@@ -207,7 +207,6 @@ _family(
     jnp.logaddexp2,
     (np.dtype(np.float32),) + tuple(d for d in FLOATS if d != np.float32),  # float32 sampled
     [((5, 7), (5, 7))],
-    xfail=lambda d: {"eager": _ITEM3} if d in (np.float32,) else None,
 )
 
 _family("where3", jnp.where, BOOL, [((2, 3), (2, 3), (2, 3)), ((0,), (0,), (0,))])
@@ -594,7 +593,7 @@ _ITEM1_CASES = {
     ),
 }
 for _name, (_fn, _args) in _ITEM1_CASES.items():
-    _add(f"concrete_{_name}", _fn, _args, xfail={"eager": _ITEM1}, first=True)
+    _add(f"concrete_{_name}", _fn, _args, first=True)
 
 _ITEM2_CASES = {
     "jit_returns_constant": (jax.jit(lambda x: (x * 2, 1.0)), [_z]),
@@ -603,7 +602,7 @@ _ITEM2_CASES = {
     "cov_empty": (jnp.cov, [np.ones((0,), np.float32)]),
 }
 for _name, (_fn, _args) in _ITEM2_CASES.items():
-    _add(f"literal_{_name}", _fn, _args, xfail={"eager": _ITEM2}, first=True)
+    _add(f"literal_{_name}", _fn, _args, first=True)
 
 
 CASES_BY_NAME = {c.name: c for c in CASES}
