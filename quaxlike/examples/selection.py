@@ -37,7 +37,7 @@ from jaxtyping import PyTree
 import quaxlike
 
 
-__all__ = ["dotted_path", "module", "path", "predicate", "select", "Selection", "selected"]
+__all__ = ["module", "path", "predicate", "select", "Selection"]
 
 KeyPath = tuple[Any, ...]
 
@@ -139,6 +139,20 @@ class Selection:
     Build one with `path`, `module` or `predicate` (or pass a pattern, a type, a
     predicate or a getter wherever a `where` is taken); `select(model, where)`
     lists what it picks.
+
+    **Arguments:** none: selections are built by `path`, `module` and `predicate`
+    and combined with the operators.
+
+    !!! example
+
+        ```python
+        mlp = eqx.nn.MLP(4, 2, 8, depth=2, key=jr.key(0))
+        biases = path("**.bias")
+        picked = select(mlp, path("layers.*.weight") & ~path("layers.0.*") | biases)
+        assert picked == [
+            "layers.0.bias", "layers.1.weight", "layers.1.bias", "layers.2.weight", "layers.2.bias"
+        ]
+        ```
     """
 
     def nodes(self, index: _Index) -> set[KeyPath]:

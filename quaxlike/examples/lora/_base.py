@@ -62,6 +62,21 @@ class LowRankValue(quaxlike.ArrayValue):
     `frozen_weight()` and refuses to materialise unless `allow_materialise`. A
     subclass sets `refuse_message` and defines `dense_from(w, a, b)`, how its
     update is laid out.
+
+    **Arguments:**
+
+    - `w`: the frozen weight, an array or a Value (such as an `Int4Array`).
+    - `a`, `b`: the trainable factors, laid out as the subclass says.
+    - `allow_materialise`: let primitives with no rule for the type fall back to
+        the dense weight (otherwise they raise).
+    - `stop_gradient`: keep gradients from reaching `w`.
+
+    !!! example
+
+        ```python
+        lora = LoraArray(jnp.ones((3, 4)), rank=2, key=jr.key(0))
+        assert isinstance(lora, LowRankValue) and lora.rank == 2
+        ```
     """
 
     # W + update(A, B) is bilinear in (A, B): a tangent of the leaves is not one.

@@ -68,6 +68,14 @@ class MultiLoraArray(LowRankValue):
     on the stack itself raises an error naming `with_adapter`.
 
     **Arguments:** see `LoraArray.from_factors`; build it with `stack_adapters`.
+
+    !!! example
+
+        ```python
+        base = eqx.nn.Linear(3, 2, key=jr.key(0))
+        bank = multi_loraify(base, count=4, rank=1, key=jr.key(1))
+        assert isinstance(bank.weight, MultiLoraArray) and bank.weight.count == 4
+        ```
     """
 
     refuse_message: ClassVar[str] = _REFUSE_MSG
@@ -227,6 +235,17 @@ def multi_loraify(
 
     The model with `MultiLoraArray`s; train it with `partition` (the factors of
     every adapter), serve it with `with_adapter`.
+
+    !!! example
+
+        ```python
+        mlp = eqx.nn.MLP(3, 2, 4, depth=1, key=jr.key(0))
+        bank = multi_loraify(mlp, count=2, rank=1, key=jr.key(1), scale=0.1)
+        ids, xs = jnp.array([1, 0, 1]), jnp.ones((3, 3))
+        serve = lambda k, x: quaxlike.quaxify(with_adapter(bank, k))(x)
+        ys = jax.vmap(serve)(ids, xs)
+        assert jnp.allclose(ys[0], quaxlike.quaxify(with_adapter(bank, 1))(xs[0]), atol=1e-6)
+        ```
     """
     keys = jr.split(key, count)
     return stack_adapters([loraify(model, rank=rank, key=k, **options) for k in keys])
@@ -262,7 +281,25 @@ def with_adapter(model: PyTree, k: ArrayLike) -> PyTree:
 
 
 def adapter_count(model: PyTree) -> int:
-    """How many adapters the `MultiLoraArray`s of `model` hold (0 if none)."""
+    """How many adapters the `MultiLoraArray`s of `model` hold (0 if none).
+
+    **Arguments:**
+
+    - `model`: any PyTree, such as the output of `multi_loraify`.
+
+    **Returns:**
+
+    The adapters' count, shared by every `MultiLoraArray` of the model (a model
+    whose stacks hold different counts raises `ValueError`).
+
+    !!! example
+
+        ```python
+        base = eqx.nn.Linear(3, 2, key=jr.key(0))
+        assert adapter_count(multi_loraify(base, count=3, rank=1, key=jr.key(1))) == 3
+        assert adapter_count(base) == 0
+        ```
+    """
     counts = {
         x.count for x in jtu.tree_leaves(model, is_leaf=_is_lora) if isinstance(x, MultiLoraArray)
     }

@@ -275,6 +275,20 @@ def load_peft(
 
     `ValueError` if the adapter has modules no weight maps to, or a factor's shape
     does not fit its weight.
+
+    !!! example
+
+        ```python
+        import tempfile
+
+        linear = eqx.nn.Linear(4, 3, key=jr.key(0))
+        model = loraify(linear, rank=2, key=jr.key(1), where="weight")
+        with tempfile.TemporaryDirectory() as d:
+            save_peft(model, d, name_map={"weight": "proj"})
+            again = load_peft(linear, d, name_map={"weight": "proj"})
+        x = jnp.ones(4)
+        assert jnp.allclose(quaxlike.quaxify(again)(x), quaxlike.quaxify(model)(x), atol=1e-6)
+        ```
     """
     config, modules = _read_adapter(directory)
     namer = _namer(name_map)
@@ -366,6 +380,21 @@ def load_safetensors(
 
     `KeyError` for a name not in the checkpoint (when `strict`), `ValueError` for
     a shape that does not fit.
+
+    !!! example
+
+        ```python
+        import os, tempfile
+        from safetensors.numpy import save_file
+
+        linear = eqx.nn.Linear(2, 2, key=jr.key(0))
+        with tempfile.TemporaryDirectory() as d:
+            file = os.path.join(d, "model.safetensors")
+            save_file({"proj.weight": np.eye(2, dtype=np.float32),
+                       "proj.bias": np.zeros(2, np.float32)}, file)
+            loaded = load_safetensors(linear, file, {"weight": "proj.weight", "bias": "proj.bias"})
+        assert jnp.array_equal(loaded.weight, jnp.eye(2))
+        ```
     """
     st = _safetensors_numpy()
     paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
