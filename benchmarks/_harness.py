@@ -16,11 +16,15 @@ import dataclasses
 import datetime
 import difflib
 import gc
+import glob
 import os
 import platform
 import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -485,3 +489,67 @@ class Table:
                 print(note)
         print()
         sys.stdout.flush()
+
+
+# --- counting instructions under Valgrind ---------------------------------------
+# A script measures itself in a child process run under callgrind with
+# instrumentation off; the child switches it on around each cell and names a dump
+# after it (`callgrind_control --dump=NAME`); the parent reads each dump's total.
+
+CALLGRIND_CHILD_FLAG = "--measure-under-valgrind"
+
+
+def callgrind_missing() -> list[str]:
+    """The Valgrind tools that are not installed (empty when counting can run)."""
+    return [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
+
+
+def callgrind_control(*command: str) -> None:
+    """Send `command` (`--instr=on`, `--dump=NAME`, ...) to the callgrind running
+    this process."""
+    subprocess.run(
+        ["callgrind_control", *command, str(os.getpid())],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        check=True,
+    )
+
+
+def callgrind_totals(script: str, argv: list[str], prefix: str) -> dict[str, int]:
+    """Run `script` with `CALLGRIND_CHILD_FLAG` and `argv` under callgrind and read
+    the instructions of each named dump.
+
+    **Arguments:**
+
+    - `script`: the benchmark file, which measures itself when given the flag.
+    - `argv`: its other arguments.
+    - `prefix`: a name for the temporary folder of dumps.
+
+    **Returns:**
+
+    `{dump name: instructions}` for every dump the child named.
+    """
+    with tempfile.TemporaryDirectory(prefix=prefix) as directory:
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            f"--callgrind-out-file={os.path.join(directory, 'cg.out')}",
+            sys.executable,
+            os.path.abspath(script),
+            CALLGRIND_CHILD_FLAG,
+            *argv,
+        ]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            print(result.stdout[-3000:] + result.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"the measuring process failed (exit {result.returncode})")
+        totals: dict[str, int] = {}
+        for path in glob.glob(os.path.join(directory, "cg.out.*")):
+            with open(path) as f:
+                text = f.read()  # "desc:" lines at the top, "totals:" at the end
+            trigger = re.search(r"^desc: Trigger: dump (\S+)", text, re.MULTILINE)
+            total = re.search(r"^totals: (\d+)", text, re.MULTILINE)
+            if trigger and total:
+                totals[trigger.group(1)] = int(total.group(1))
+    return totals

@@ -40,14 +40,9 @@ runs quaxlike alone and says so.
 
 import argparse
 import dataclasses
-import glob
-import os
 import re
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -71,7 +66,8 @@ class CompiledLoraArray(LoraArray):
 WIDTH = 16
 RANK = 4
 PLAIN, FORWARD = "plain JAX", "forward"
-_CHILD_FLAG = "--measure-under-valgrind"
+_CHILD_FLAG = h.CALLGRIND_CHILD_FLAG
+_callgrind = h.callgrind_control
 
 
 @dataclasses.dataclass
@@ -326,15 +322,6 @@ def _table(title: str, cases, costs, libs, unit: Callable[[float], str]) -> None
 # --- instruction counts (under Valgrind) ---------------------------------------
 
 
-def _callgrind(*command: str) -> None:
-    subprocess.run(
-        ["callgrind_control", *command, str(os.getpid())],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        check=True,
-    )
-
-
 def _measure(cases: list[Case], samples: int, calls: int) -> None:
     """Inside Valgrind: run each cell between two callgrind dumps, the second
     named `c<case>:<runs>:<column>`: `samples` runs for the loop cases, `samples *
@@ -363,31 +350,9 @@ def _measure(cases: list[Case], samples: int, calls: int) -> None:
 def _count(argv: list[str]) -> dict[tuple[int, str], float] | None:
     """Instructions per call of every cell, from a child process run under
     callgrind (`None` if Valgrind is missing)."""
-    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+    if h.callgrind_missing():
         return None
-    with tempfile.TemporaryDirectory(prefix="quaxlike-eager-callgrind-") as directory:
-        command = [
-            "valgrind",
-            "--tool=callgrind",
-            "--instr-atstart=no",
-            f"--callgrind-out-file={os.path.join(directory, 'cg.out')}",
-            sys.executable,
-            os.path.abspath(__file__),
-            _CHILD_FLAG,
-            *argv,
-        ]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            print(result.stdout[-3000:] + result.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(f"the measuring process failed (exit {result.returncode})")
-        totals: dict[str, int] = {}
-        for path in glob.glob(os.path.join(directory, "cg.out.*")):
-            with open(path) as f:
-                text = f.read()
-            trigger = re.search(r"^desc: Trigger: dump (\S+)", text, re.MULTILINE)
-            total = re.search(r"^totals: (\d+)", text, re.MULTILINE)
-            if trigger and total:
-                totals[trigger.group(1)] = int(total.group(1))
+    totals = h.callgrind_totals(__file__, argv, "quaxlike-eager-callgrind-")
     empty = [n for name, n in totals.items() if name.startswith("empty:")]
     overhead = statistics.median(empty) if empty else 0
     counts = {}

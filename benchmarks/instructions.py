@@ -22,19 +22,14 @@ Run: `python benchmarks/instructions.py [--quick] [--repeats N]` (repeats:
 samples per cell, default 3, at most 5; three to four minutes in all).
 """
 
-import glob
-import os
-import re
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 
 import _harness as h
 
 
-_CHILD_FLAG = "--measure-under-valgrind"
+_CHILD_FLAG = h.CALLGRIND_CHILD_FLAG
+_callgrind = h.callgrind_control
 # Samples per cell at most, whatever `--repeats` says (`run_all.py` passes on the
 # timed scripts' 41): counts barely vary between samples, and each depth-32
 # sample costs seconds under Valgrind.
@@ -84,15 +79,6 @@ def _factories(case: str, depth: int, width: int):
 # --- inside Valgrind ----------------------------------------------------------
 
 
-def _callgrind(*command: str) -> None:
-    subprocess.run(
-        ["callgrind_control", *command, str(os.getpid())],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        check=True,
-    )
-
-
 def _measure(quick: bool, samples: int, width: int) -> None:
     """Trace every case `samples` times per side, closing each side's segment
     with a callgrind dump named `case<index>:depth:side`."""
@@ -125,17 +111,9 @@ def _measure(quick: bool, samples: int, width: int) -> None:
 # --- outside -----------------------------------------------------------------
 
 
-def _read_dumps(directory: str) -> dict[tuple[str, str, str], int]:
-    counts = {}
-    for path in glob.glob(os.path.join(directory, "cg.out.*")):
-        with open(path) as f:
-            text = f.read()  # "desc:" lines at the top, "totals:" at the end
-        trigger = re.search(r"^desc: Trigger: dump (\S+)", text, re.MULTILINE)
-        total = re.search(r"^totals: (\d+)", text, re.MULTILINE)
-        if trigger and total and trigger.group(1).count(":") == 2:
-            case, depth, side = trigger.group(1).split(":")
-            counts[(case, depth, side)] = int(total.group(1))
-    return counts
+def _read_dumps(totals: dict[str, int]) -> dict[tuple[str, str, str], int]:
+    """The instructions of each `case:depth:side` dump."""
+    return {tuple(name.split(":")): n for name, n in totals.items() if name.count(":") == 2}
 
 
 def main(argv=None):
@@ -150,7 +128,7 @@ def main(argv=None):
         _measure(args.quick, samples, width)
         return
 
-    missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
+    missing = h.callgrind_missing()
     notes = [
         "instructions per trace (millions), counted by valgrind --tool=callgrind; "
         f"{samples} sample(s) per cell, each a freshly built function; width {width}",
@@ -162,22 +140,7 @@ def main(argv=None):
         print(f"Not measured: {' and '.join(missing)} not found (Debian package `valgrind`).\n")
         return
 
-    with tempfile.TemporaryDirectory(prefix="quaxlike-callgrind-") as directory:
-        command = [
-            "valgrind",
-            "--tool=callgrind",
-            "--instr-atstart=no",
-            f"--callgrind-out-file={os.path.join(directory, 'cg.out')}",
-            sys.executable,
-            os.path.abspath(__file__),
-            _CHILD_FLAG,
-            *argv,
-        ]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            print(result.stdout[-3000:] + result.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(f"the measuring process failed (exit {result.returncode})")
-        counts = _read_dumps(directory)
+    counts = _read_dumps(h.callgrind_totals(__file__, argv, "quaxlike-callgrind-"))
 
     empty = [n for (case, _, _), n in counts.items() if case == "empty"]
     overhead = statistics.median(empty) if empty else 0
