@@ -92,7 +92,7 @@ def _densify(values, dense: dict[int, tuple[str, str]], primitive):
                     type_name=type(v).__name__,
                     error=f"{type(refusal).__name__}: {refusal}",
                 )
-            ) from error
+            ) from refusal
     return out
 
 
