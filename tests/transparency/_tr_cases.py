@@ -561,12 +561,11 @@ _add(
 )
 
 
-# --- the issue's items: known differences, strict expected failures ----------------
+# --- issue 25's items: calls that need a concrete value or return a constant ---------
 
 _z = np.array([0.0, 0.0, 1.0, 2.0, 0.0, 3.0, 0.0], np.float32)
-# Calls that need a concrete value. Some already work eagerly through quaxify
-# (JAX asks for the value through paths the interpreter answers); the others
-# raise there today. Under jit both raise JAX's own error.
+# Calls that need a concrete value: eagerly, a DenseArrayValue answers as the
+# array it wraps; under jit they raise JAX's own error, as plain JAX does.
 _CONCRETE_CASES = {
     "item": (lambda a: a.sum().item(), [_z]),
     "nonzero": (jnp.nonzero, [_z]),
