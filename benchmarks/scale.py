@@ -51,12 +51,19 @@ With `--dump DIR`, XLA dumps the program of the row `--dump-row` (QLoRA 4 bits
 by default) to DIR, and the script lists the largest buffers live at its peak
 (from XLA's `*live-range.txt`), arguments included.
 
-Run: `python benchmarks/scale.py [--quick] [--models 8b 1b] [--dump DIR]`.
+With `--execute` (for an accelerator with room for the arguments), each compiled
+step also runs on random arrays of its arguments' shapes: the median time of
+three steps after a warm-up one, and the device allocator's peak bytes in use
+(`memory_stats()`), which counts the random arguments as well as the step. Run
+one row per process (`--only`) for a row's own peak.
+
+Run: `python benchmarks/scale.py [--quick] [--models 8b 1b] [--dump DIR] [--execute]`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import inspect
 import math
@@ -187,6 +194,8 @@ class Result:
     trace_s: float
     compile_s: float
     trainable: int
+    step_s: float | None = None  # --execute: median seconds per step, run on the device
+    device_peak: int | None = None  # --execute: the allocator's peak bytes in use
 
 
 def tracer(shape: Shape, name: str, optimiser, memory: dict | None = None):
@@ -203,6 +212,68 @@ def tracer(shape: Shape, name: str, optimiser, memory: dict | None = None):
     return trace, state
 
 
+def random_like(tree, key):
+    """`tree` with every `jax.ShapeDtypeStruct` replaced by an array of its shape and
+    dtype on the default device, each drawn without a wider temporary: floats
+    normal with scale 0.02, in their own dtype; integers from random bits of their
+    own width (codes of every value; optimiser step counts too, which only scale
+    the update). Other leaves are kept.
+
+    **Arguments:**
+    - `tree`: a pytree of `jax.ShapeDtypeStruct`s (from `eqx.filter_eval_shape`).
+    - `key`: a PRNG key.
+
+    **Returns:** the same structure, holding arrays.
+    """
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def draw(key, shape, dtype):
+        if jnp.issubdtype(dtype, jnp.floating):
+            return (0.02 * jr.normal(key, shape, dtype)).astype(dtype)
+        width = jnp.dtype(dtype).itemsize * 8
+        bits = jr.bits(key, shape, dtype=jnp.dtype(f"uint{width}"))
+        return jax.lax.bitcast_convert_type(bits, dtype)
+
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    filled = [
+        draw(jr.fold_in(key, i), tuple(leaf.shape), leaf.dtype)
+        if isinstance(leaf, jax.ShapeDtypeStruct)
+        else leaf
+        for i, leaf in enumerate(leaves)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, filled)
+
+
+def execute(compiled, state, shape: Shape, repeats: int = 3) -> tuple[float, int | None]:
+    """Runs the compiled step on random arrays of `state`'s shapes: one warm-up
+    step, then `repeats` timed steps, each fed the previous one's donated outputs.
+
+    **Arguments:**
+    - `compiled`: the compiled step, `(trainable, opt_state, frozen, tokens,
+      targets) -> (trainable, opt_state, loss)`.
+    - `state`: `(trainable, opt_state, frozen)` as `jax.ShapeDtypeStruct`s.
+    - `shape`: the model's shape (vocabulary and sequence length of the tokens).
+    - `repeats`: timed steps.
+
+    **Returns:** `(median seconds per step, peak bytes)`: the device allocator's
+    peak bytes in use over the whole process (`memory_stats()`, `None` where the
+    backend keeps none), which counts the random arguments and the step.
+    """
+    trainable, opt_state, frozen = random_like(state, jr.key(7))
+    tokens = jr.randint(jr.key(8), (1, shape.seq), 0, shape.vocab, jnp.int32)
+    targets = jnp.roll(tokens, -1, axis=1)
+    trainable, opt_state, loss = compiled(trainable, opt_state, frozen, tokens, targets)
+    jax.block_until_ready(loss)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        trainable, opt_state, loss = compiled(trainable, opt_state, frozen, tokens, targets)
+        jax.block_until_ready((trainable, opt_state, loss))
+        times.append(time.perf_counter() - start)
+    stats = jax.devices()[0].memory_stats() or {}
+    return sorted(times)[len(times) // 2], stats.get("peak_bytes_in_use")
+
+
 def measure(
     shape: Shape,
     name: str,
@@ -210,6 +281,7 @@ def measure(
     dump: str | None = None,
     memory: dict | None = None,
     compiler_options: dict | None = None,
+    run: bool = False,
 ) -> Result:
     trace, state = tracer(shape, name, optimiser, memory)
     start = time.perf_counter()
@@ -222,6 +294,7 @@ def measure(
     compiled = traced.lower().compile(compiler_options=options or None)
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
+    step_s, device_peak = execute(compiled, state, shape) if run else (None, None)
     return Result(
         peak=h.peak_bytes(compiled),
         arguments=memory.argument_size_in_bytes,
@@ -231,6 +304,8 @@ def measure(
         trace_s=trace_s,
         compile_s=compile_s,
         trainable=n_params(state[0]),
+        step_s=step_s,
+        device_peak=device_peak,
     )
 
 
@@ -336,6 +411,18 @@ def main(argv=None):
     parser.add_argument("--loss-chunk", type=int, default=256, help="positions per step")
     parser.add_argument("--dump", help="a folder for XLA's dump of --dump-row's program")
     parser.add_argument("--dump-row", default="QLoRA 4 bits", choices=rows)
+    parser.add_argument(
+        "--no-check",
+        action="store_true",
+        help="skip the tiny model's check that LoRA and the hand-written LoRA agree",
+    )
+    parser.add_argument(
+        "--execute",
+        action="store_true",
+        help="also run each compiled step on random arrays (an accelerator's work: the 8B "
+        "rows allocate their arguments): step time and the allocator's peak; run one row "
+        "per process (--only) for a peak of that row alone",
+    )
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = 1 if args.quick else 5
@@ -365,7 +452,7 @@ def main(argv=None):
             f"{'available' if nf4 else 'not available in this checkout'}",
             "tiny model, random factors: quaxlike's LoRA step and the hand-written one give the "
             "same loss and gradients, and the chunked model the unchunked one's loss: "
-            f"{same_results(tiny)}",
+            f"{'not checked (--no-check)' if args.no_check else same_results(tiny)}",
         ],
     )
     for shape in shapes:
@@ -378,7 +465,7 @@ def main(argv=None):
                 continue
             dump = args.dump if name == args.dump_row else None
             variant, options = (name, memory) if name != WHOLE else ("QLoRA 4 bits", None)
-            results[name] = measure(shape, variant, optimiser, dump, options)
+            results[name] = measure(shape, variant, optimiser, dump, options, run=args.execute)
             sys.stdout.flush()
         paired = None
         if args.repeats and {LORA, BASELINE} <= set(names):
@@ -406,12 +493,13 @@ def main(argv=None):
                 "trace / hand",
                 "compile",
                 "compile / hand",
+                *(["step (run)", "device peak"] if args.execute else []),
             ],
         )
         base = results.get(BASELINE)
         for name, r in results.items():
             if r is None:
-                table.add(name, *["unavailable"] + ["-"] * 8)
+                table.add(name, *["unavailable"] + ["-"] * (10 if args.execute else 8))
                 continue
             ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
             table.add(
@@ -425,6 +513,14 @@ def main(argv=None):
                 ratio(r.trace_s, base.trace_s) if base else "-",
                 h.fmt_time(r.compile_s),
                 ratio(r.compile_s, base.compile_s) if base else "-",
+                *(
+                    [
+                        h.fmt_time(r.step_s) if r.step_s is not None else "-",
+                        h.fmt_bytes(r.device_peak) if r.device_peak is not None else "-",
+                    ]
+                    if args.execute
+                    else []
+                ),
             )
         notes = []
         q4, lora = results.get("QLoRA 4 bits"), results.get(LORA)
