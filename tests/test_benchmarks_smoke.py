@@ -74,6 +74,7 @@ def test_run_all_quick():
     _assert_tables(_run_quick(*TIMED), TABLES)
 
 
+@pytest.mark.slow  # seven compilations: over a minute and a half on two cores
 def test_scale_quick():
     # `scale.py` compiles its steps for shapes only; quick: a two-layer decoder, still
     # seven compilations (a few minutes on a loaded two-core machine).

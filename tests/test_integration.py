@@ -109,9 +109,11 @@ def test_optax_training_loop(mlp, xs):
     assert tree_allclose(rest_before, rest_after)
 
 
+@pytest.mark.slow
 def test_demo_runs():
-    # The width-1024 memory comparison (two compilations) is left to the
-    # README's first command, which .ci/run runs in a fresh environment.
+    # A minute of training: a slow test, since .ci/run runs the README's first
+    # command itself (the whole demo, on two Pythons, in fresh environments).
+    # The width-1024 memory comparison (two compilations) is left to that command.
     quaxlike.demo.main(steps=30, compare_width=0)
 
 

@@ -7,7 +7,9 @@ CPU. Pages check themselves with `assert`s against plain JAX on the
 materialised arrays. A block is left out with a `<!-- no-run -->` comment on
 the line above it (used for code of other libraries, and for fragments); a
 page marked `<!-- docs-test: devices=8 -->` runs with eight virtual CPU
-devices. See `_blocks.py` for the exact rules.
+devices, and one marked `<!-- docs-test: slow -->` (a page that trains models for
+a minute or more) is a `slow` test: CI's shards and `--run-slow` run it. See
+`_blocks.py` for the exact rules.
 """
 
 import concurrent.futures
@@ -50,18 +52,39 @@ def _run(page: pathlib.Path) -> subprocess.CompletedProcess:
     )
 
 
+def _is_slow(page: pathlib.Path) -> bool:
+    return "slow" in options(page.read_text(encoding="utf-8"))
+
+
+class _PageRuns:
+    """The pages' runs: every page that is not slow started at once (a few at a
+    time, each an independent process), a slow page when its test asks for it (a
+    skipped one never runs)."""
+
+    def __init__(self, pool: concurrent.futures.Executor):
+        self._pool = pool
+        self._runs = {page: pool.submit(_run, page) for page in RUNNABLE if not _is_slow(page)}
+
+    def result(self, page: pathlib.Path) -> subprocess.CompletedProcess:
+        if page not in self._runs:
+            self._runs[page] = self._pool.submit(_run, page)
+        return self._runs[page].result()
+
+
 @pytest.fixture(scope="module")
 def page_runs():
-    # The pages are independent processes: start them all at once, a few at a
-    # time, and let each test wait for its own.
     workers = max(1, min(4, os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        yield {page: pool.submit(_run, page) for page in RUNNABLE}
+        yield _PageRuns(pool)
 
 
-@pytest.mark.parametrize("page", RUNNABLE, ids=[str(p.relative_to(ROOT)) for p in RUNNABLE])
+@pytest.mark.parametrize(
+    "page",
+    [pytest.param(p, marks=[pytest.mark.slow] if _is_slow(p) else []) for p in RUNNABLE],
+    ids=[str(p.relative_to(ROOT)) for p in RUNNABLE],
+)
 def test_page_runs(page_runs, page: pathlib.Path):
-    result = page_runs[page].result()
+    result = page_runs.result(page)
     if result.returncode != 0:
         pytest.fail(
             f"{page.relative_to(ROOT)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}",

@@ -51,7 +51,20 @@ def _check_column(name: str, cells: dict) -> None:
     assert not problems, f"column {name}:\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("name", [c.name for c in COLUMNS])
+# The columns every run checks: a symbolic type (zero), a low-rank and a
+# quantised weight, and a type that refuses what it cannot do (unitful). The
+# other seven (about 100 s of the table's 210 s in a default run on two cores)
+# are slow tests: CI's shards and `--run-slow` run them.
+DEFAULT_COLUMNS = ("zero", "lora", "int4", "unitful")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(c.name, marks=[] if c.name in DEFAULT_COLUMNS else [pytest.mark.slow])
+        for c in COLUMNS
+    ],
+)
 def test_column(name):
     cells = compute_column(COLUMNS_BY_NAME[name])
     _check_column(name, cells)

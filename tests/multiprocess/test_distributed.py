@@ -109,6 +109,7 @@ def _check_against_one_process(kind: str, tmp_path) -> None:
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # the QLoRA test below takes the same path, and a quantised base too
 def test_lora_training_across_two_processes(tmp_path):
     _check_against_one_process("lora", tmp_path)
 
