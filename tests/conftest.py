@@ -78,12 +78,16 @@ def _leak_checks_for_the_core(request):
 
 
 def pytest_addoption(parser):
-    parser.addoption("--run-slow", action="store_true", help="run the exhaustive sweeps")
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        help="run the slow tests (the exhaustive sweeps, and single tests of a minute or more)",
+    )
     parser.addoption(
         "--slow-shard",
         metavar="K/N",
-        help="besides the default tests, run shard K of N (1 <= K <= N) of the exhaustive "
-        "sweeps: the slow tests whose node id hashes to it (CI runs one shard per commit)",
+        help="besides the default tests, run shard K of N (1 <= K <= N) of the slow "
+        "tests: those whose node id hashes to it (CI runs one shard per commit)",
     )
 
 
@@ -92,12 +96,12 @@ def pytest_collection_modifyitems(config, items):
         return
     spec = config.getoption("--slow-shard")
     if spec is None:
-        skip = pytest.mark.skip(reason="exhaustive sweep: pass --run-slow")
+        skip = pytest.mark.skip(reason="slow test: pass --run-slow")
         shard = None
     else:
         shard = parse_slow_shard(spec)
         skip = pytest.mark.skip(
-            reason=f"exhaustive sweep outside shard {spec}: pass --run-slow for every shard"
+            reason=f"slow test outside shard {spec}: pass --run-slow for every shard"
         )
     for item in items:
         if "slow" in item.keywords:
