@@ -182,3 +182,20 @@ def test_arraylike_rule_annotation_accepted():
 
     out = quaxlike.quaxify(lax.atan2)(Tag(jnp.ones(2)), jnp.ones(2))
     assert isinstance(out, Tag) and jnp.allclose(out.x, jnp.pi / 4)
+
+
+@pytest.mark.parametrize("under_jit", [False, True], ids=["eager", "jit"])
+def test_a_tracer_leaked_by_the_test_is_found_by_the_leak_checker(under_jit):
+    # The suite freezes every object older than a test out of the garbage
+    # collector while the test runs (tests/conftest.py), which the leak checker's
+    # search relies on: a tracer leaked by the test itself must still be found.
+    assert jax.config.jax_check_tracer_leaks  # on for the core's tests
+    leaked = []
+
+    def keep_the_tracer(x):
+        leaked.append(x)
+        return x + 1
+
+    f = quaxlike.quaxify(keep_the_tracer)
+    with pytest.raises(Exception, match="[Ll]eaked"):
+        (jax.jit(f) if under_jit else f)(quaxlike.DenseArrayValue(jnp.ones(3)))
