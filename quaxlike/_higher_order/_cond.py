@@ -5,6 +5,7 @@ import functools as ft
 from jax import lax
 
 from .. import _jax_compat as jc
+from .._diagnostics import QuaxlikeError
 from .._quaxify import lifted_call
 from .._rules import register
 from ._common import AnyValue, to_dense, type_signature
@@ -32,6 +33,8 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
 
         try:
             return lax.switch(index, [make_branch(i) for i in range(len(bodies))], *operands)
+        except QuaxlikeError:
+            raise  # ours, from inside a branch: not JAX rejecting the branches' outputs
         except (TypeError, ValueError):
             if any(s is None for s in signatures):
                 raise

@@ -591,3 +591,29 @@ def test_readme_example(capsys):
     printed = capsys.readouterr().out
     assert "25.0 kg*m^2/s^2" in printed and "kg*m/s" in printed
     assert "m m/s (10,)" in printed and "`add` needs its arguments" in printed
+
+
+def test_mismatched_units_are_a_value_error_as_in_quax():
+    # Quax's unitful example raises ValueError for mismatched units; so does
+    # UnitError (Quax main's test_select_n_requires_matching_units).
+    pred = jnp.array([True, False])
+    length = Unitful(jnp.array([2.0, 3.0]), m)
+    time = Unitful(jnp.array([4.0, 5.0]), s)
+    with pytest.raises(ValueError, match="units") as caught:
+        quaxlike.quaxify(jnp.where)(pred, length, time)
+    assert isinstance(caught.value, UnitError)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_unit_error_inside_a_cond_branch_is_raised_as_it_is(jit):
+    # The cond rule retries with dense outputs when JAX rejects branches whose
+    # output types differ (a TypeError or ValueError); a UnitError from inside a
+    # branch is the user's error, raised unchanged, not taken for that rejection.
+    def f(pred, a, b):
+        return jax.lax.cond(pred, lambda: a + b, lambda: a)
+
+    f = quaxlike.quaxify(f)
+    with pytest.raises(UnitError, match="`add` needs its arguments in compatible units"):
+        (jax.jit(f) if jit else f)(
+            jnp.array(True), Unitful(jnp.ones(2), m), Unitful(jnp.ones(2), s)
+        )

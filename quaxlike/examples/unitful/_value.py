@@ -18,9 +18,10 @@ from ._quax_names import as_unit, units_of
 from ._unit import dimensionless, Unit
 
 
-class UnitError(quaxlike.QuaxlikeError):
+class UnitError(quaxlike.QuaxlikeError, ValueError):
     """The units of a primitive's arguments do not fit it: different dimensions
     where they must agree, or a dimensioned quantity where a pure number is needed.
+    A `ValueError`, as Quax's unitful example raises for mismatched units.
 
     !!! example
 
