@@ -499,7 +499,7 @@ def main(argv=None):
         base = results.get(BASELINE)
         for name, r in results.items():
             if r is None:
-                table.add(name, *["unavailable"] + ["-"] * (10 if args.execute else 8))
+                table.add(name, "unavailable", *["-"] * (len(table.columns) - 2))
                 continue
             ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
             table.add(
