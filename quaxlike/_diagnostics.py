@@ -69,14 +69,15 @@ class AmbiguousRuleError(QuaxlikeError, LookupError):
     """
 
 
-class MaterialisationError(QuaxlikeError, RuntimeError):
+class MaterialisationError(QuaxlikeError, RuntimeError, ValueError):
     """A Value could not be materialised where a primitive needed it.
 
     Raised when a primitive has no rule for a Value's type and the type refuses to
     become dense (its `materialise()` raised: the message then shows the rule to
     register), and under `materialise_policy("error")` whenever a Value would fall
-    back to being dense. Also a `RuntimeError`, which Quax's types raise when they
-    refuse to materialise.
+    back to being dense. Also a `RuntimeError` and a `ValueError`: Quax 0.4.6's
+    types raise the first when they refuse to materialise, Quax main's the second,
+    so code written for either catches it unchanged.
 
     !!! example
 

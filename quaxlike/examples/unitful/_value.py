@@ -36,7 +36,7 @@ class UnitError(quaxlike.QuaxlikeError, ValueError):
 
 
 _REFUSE_MATERIALISE_MSG = (
-    "Refusing to turn a Unitful quantity in {unit} into a plain array: that would "
+    "Refusing to materialise a Unitful quantity in {unit}: a plain array would "
     "silently drop its unit. Take the number explicitly with `.array` (the value in "
     "{unit}) or `.to(other_unit).array`; only dimensionless quantities become plain "
     "arrays on their own."
