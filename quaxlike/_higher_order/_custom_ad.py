@@ -149,7 +149,7 @@ def custom_jvp_call_p_values(*values: AnyValue, fun, jvp, symbolic_zeros: bool, 
             tangent_values = inputs.rebuild_tangents(primals, tangents)
             outs = lifted_call(jvp_dense, *primal_values, *tangent_values)
             n = len(outs) // 2
-            primal_out = _Flattened(outs[:n])
+            primal_out = _Flattened([_primal_like(p, t) for p, t in zip(outs[:n], outs[n:])])
             tangent_out = _Flattened([_tangent_like(p, t) for p, t in zip(outs[:n], outs[n:])])
             if primal_out.same_structure(tangent_out):
                 outputs[:] = [primal_out]
@@ -178,6 +178,18 @@ def custom_jvp_call_p_values(*values: AnyValue, fun, jvp, symbolic_zeros: bool, 
 
     out_leaves = leaf_function(*inputs.take_leaves())
     return list(outputs[0].rebuild(out_leaves))
+
+
+def _primal_like(primal, tangent):
+    """A rule's primal output in the form its tangent output can take: a Value
+    whose tangent the rule built as a plain array (JAX's own rules make some
+    tangents from scratch, such as `zeros_like` of an output) is materialised,
+    since a plain tangent cannot carry the Value's structure. (Differentiating
+    the rule's own primal computation instead never ends for a rule that calls
+    the function it differentiates, as `jnp.linalg.slogdet`'s does.)"""
+    if isinstance(primal, Value) and not isinstance(tangent, Value):
+        return materialise_value(primal, jc.custom_jvp_call_p, fallback=True)
+    return primal
 
 
 def _tangent_like(primal, tangent):

@@ -5,7 +5,6 @@ import jax.extend as jex
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 from _inputs import c64, case, f32, idx, key, lower, pos, raw_key, spd, sym, u32
-from _known_bugs import SLOGDET_GRAD_RECURSION
 from jax import lax
 from jax._src.lax import linalg as lax_linalg_internal
 from jax._src.random import philox2x32, philox4x32, threefry4x32
@@ -211,7 +210,6 @@ CASES = [
         spd(3),
         prims="lu",
         tol=_LINALG_TOL,
-        xfail={"grad": SLOGDET_GRAD_RECURSION},
     ),
     case(
         "lstsq",

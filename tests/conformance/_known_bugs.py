@@ -9,9 +9,3 @@ DCE_SINK_BATCHING = (
     "jax: dce_sink's batching rule returns one output where its abstract evaluation "
     "gives none; plain JAX drops it, quaxlike's checked mode (QUAXLIKE_CHECK=1) rejects it"
 )
-
-SLOGDET_GRAD_RECURSION = (
-    "core: jax.grad of quaxify(jnp.linalg.slogdet) with a pass-through Value raises "
-    "RecursionError 'Recursively calling <weakref to ClosedJaxpr>' (plain JAX differentiates "
-    "it); repro: test_slogdet_grad_recursion"
-)
