@@ -14,6 +14,8 @@ the same result for less work.
   and no type's own `default`).
 - `only_materialises` works out the same verdict without running anything, for
   eager code, where every intermediate array is a concrete array.
+- `run_compiled` runs an eager `jit` on concrete arrays as plain JAX runs it,
+  through one compiled call.
 - `materialise_at_call` computes what `Value.default` gives when applied to the
   call as a whole (the Values materialised, the call bound on the dense arrays):
   what a sub-program whose verdict is true computes under the plain "allow"
@@ -36,23 +38,41 @@ from ._rules import dispatch_kind, on_rules_changed, plan_for
 from ._values import is_value, materialise_value
 
 
-# id(ClosedJaxpr) -> (a weak reference to it, {(parent trace type or "eager",
-# argument kinds): verdict}); the entry goes when the jaxpr does. (By id rather
-# than a WeakKeyDictionary, whose lookups are Python code: read on every call.)
-_verdicts: dict[int, tuple[weakref.ref, dict[tuple, bool]]] = {}
+class _PerSubProgram:
+    """What is known about each sub-program (a `ClosedJaxpr`), kept as long as
+    the jaxpr lives. Keyed by id, with a weak reference that drops the entry
+    when the jaxpr goes (not a WeakKeyDictionary, whose lookups are Python
+    code: this is read on every call)."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple[weakref.ref, dict]] = {}
+
+    def of(self, closed_jaxpr) -> dict:
+        """The dict of what is known about `closed_jaxpr`, empty at first."""
+        entry = self._entries.get(id(closed_jaxpr))
+        if entry is not None and entry[0]() is closed_jaxpr:
+            return entry[1]
+        key, entries = id(closed_jaxpr), self._entries
+        forget = lambda _: entries.pop(key, None)  # noqa: E731
+        entry = entries[key] = (weakref.ref(closed_jaxpr, forget), {})
+        return entry[1]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+# {(parent trace type or "eager", argument kinds): verdict} per sub-program.
+_verdicts = _PerSubProgram()
 on_rules_changed(_verdicts.clear)
+# {(name, keep_unused): `jax.jit` of the sub-program's function} per sub-program:
+# runs no rule, so it stays when rules change.
+_compiled_calls = _PerSubProgram()
 
 
 def verdicts_of(closed_jaxpr) -> dict:
     """The verdicts known for `closed_jaxpr`, by whatever key the caller uses
     (the parent trace's type, or "eager", with the argument kinds)."""
-    entry = _verdicts.get(id(closed_jaxpr))
-    if entry is not None and entry[0]() is closed_jaxpr:
-        return entry[1]
-    key = id(closed_jaxpr)
-    forget = lambda _: _verdicts.pop(key, None)  # noqa: E731
-    entry = _verdicts[key] = (weakref.ref(closed_jaxpr, forget), {})
-    return entry[1]
+    return _verdicts.of(closed_jaxpr)
 
 
 def only_materialises(closed_jaxpr, values, eager_trace) -> bool:
@@ -129,6 +149,8 @@ def materialise_at_call(trace, primitive, tracers, values, params):
             # Not a tracer of `parent` with no mesh in its type: something
             # `bind` would canonicalise or reshard.
             if not (isinstance(a, jc.Tracer) and a._trace is parent and jc.without_mesh(a.aval)):
+                if trace.eager and primitive is jc.jit_p:
+                    return run_compiled(arrays, params)
                 return primitive.bind(*arrays, **params)
     # Every array is a live tracer of the parent with the aval the call was
     # bound with: `bind` would check nothing new (the checks passed on the way
@@ -139,6 +161,32 @@ def materialise_at_call(trace, primitive, tracers, values, params):
     # plain JAX's instructions (benchmarks/README.md, "Where the time goes",
     # item 16).
     return parent.process_primitive(primitive, arrays, params)
+
+
+def run_compiled(arrays, params):
+    """Eagerly, `jit_p.bind(*arrays, **params)` on concrete arrays, through a
+    `jax.jit` of the sub-program's function made once per sub-program: JAX's
+    C++ dispatch of the compiled program, as plain JAX calls a `jax.numpy`
+    function on arrays, instead of binding `jit` through Python (which costs
+    more than the operation: benchmarks/README.md, "Where the time goes", item
+    17). The same program is compiled, so the results are bitwise the same.
+    Only for a call that asks for nothing `jax.jit` would not be given (see
+    `jc.jit_needs_only_keep_unused`) on arrays that are no tracers; others are
+    bound as they are. Called under the eager trace."""
+    if not jc.jit_needs_only_keep_unused(params) or any(isinstance(a, jc.Tracer) for a in arrays):
+        return jc.jit_p.bind(*arrays, **params)
+    closed_jaxpr, name, keep_unused = params["jaxpr"], params["name"], params["keep_unused"]
+    known = _compiled_calls.of(closed_jaxpr)
+    call = known.get((name, keep_unused))
+    if call is None:
+        jaxpr_ref = weakref.ref(closed_jaxpr)  # the entry must not keep its jaxpr alive
+
+        def sub_program(*args):
+            return jc.jaxpr_as_fun(jaxpr_ref())(*args)
+
+        sub_program.__name__ = sub_program.__qualname__ = name
+        call = known[(name, keep_unused)] = jax.jit(sub_program, keep_unused=keep_unused)
+    return call(*arrays)
 
 
 def inline(trace, closed_jaxpr, tracers, judge: bool = False):

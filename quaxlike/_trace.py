@@ -6,7 +6,8 @@ path, as in Autodidax's interpreter:
 
 1. *open* (`_open`): take over the tracers of adopted traces, and unwrap this
    trace's tracers into their Values; an operation with none of them is the
-   parent trace's business and leaves at once.
+   parent trace's business and leaves at once (eagerly, a `jit` on plain
+   arrays leaves through one compiled call, `_sub_programs.run_compiled`).
 2. *plan* (`plan_for`): the rule registry's plan for these argument kinds,
    looked up once per operation.
 3. *shortcut* (only for a rule that owns shortcuts, the `jit`/`closed_call`
@@ -32,6 +33,7 @@ from . import _concrete, _instrument, _jax_compat as jc
 from ._diagnostics import messages, QuaxlikeError, rule_location, rule_name
 from ._rules import default_description, dispatch_kind, Plan, plan_for
 from ._staging import shortcuts_apply
+from ._sub_programs import run_compiled
 from ._values import checked_aval, describe, is_value, Value
 
 
@@ -216,6 +218,11 @@ class QuaxTrace(jc.Trace):
     def process_primitive(self, primitive, tracers, params):
         tracers, values = self._open(tracers)
         if values is None:
+            if self.eager and primitive is jc.jit_p:
+                # A `jax.numpy` call on plain arrays inside eager quaxified code:
+                # JAX took its Python path only because this trace is current.
+                with jc.set_current_trace(self.parent_trace):
+                    return run_compiled(tracers, params)
             # The parent trace's `process_primitive` directly: `Primitive.bind`
             # made its checks on the way here, with these arguments and params.
             return self.parent_trace.process_primitive(primitive, tracers, params)

@@ -262,3 +262,28 @@ def test_constant_operands_beside_the_value():
         jaxpr = _trace(lambda a: body(a, b, 2.0), counted(a))
         out = jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, a)[0]
         assert np.allclose(out, a * b + 2.0)
+
+
+def test_eager_calls_run_as_one_compiled_call(monkeypatch):
+    # Eagerly, a `jax.numpy` call whose Values only materialise runs through a
+    # compiled call made once per sub-program, as plain JAX runs it on arrays:
+    # `jit`'s own implementation (the Python path) is never called, and the
+    # results are bitwise plain JAX's.
+    jit_p = quaxlike._jax_compat.jit_p
+    bound, impl = [], jit_p.impl
+    monkeypatch.setattr(jit_p, "impl", lambda *a, **p: bound.append(p["name"]) or impl(*a, **p))
+    x, y = randn(5, (4,)), randn(6, (4, 4))
+    f = lambda a, b: jnp.tanh(jnp.sin(a) @ b) - jnp.sum(b, axis=0)  # noqa: E731
+    quaxified = quaxlike.quaxify(f)
+    for _ in range(2):
+        out = quaxified(quaxlike.DenseArrayValue(x), quaxlike.DenseArrayValue(y))
+        np.testing.assert_array_equal(out, f(x, y), strict=True)
+    assert bound == []
+    # A `jit` that asks for more than `keep_unused` (an output sharding, here)
+    # is bound as it is, to the same result.
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    g = jax.jit(jnp.cos, out_shardings=device)
+    out = quaxlike.quaxify(g)(quaxlike.DenseArrayValue(x))
+    assert bound == ["cos"]
+    np.testing.assert_array_equal(out, g(x), strict=True)
+    assert out.sharding == g(x).sharding

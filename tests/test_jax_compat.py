@@ -228,6 +228,42 @@ def test_jax_numpy_functions_are_seen_as_inlined():
     assert seen == [True]
 
 
+def _jit_params(f, *args) -> dict:
+    (eqn,) = jax.make_jaxpr(f)(*args).jaxpr.eqns
+    assert eqn.primitive is jc.jit_p
+    return dict(eqn.params)
+
+
+def test_jit_needs_only_keep_unused():
+    # What `jax.numpy` functions bind eagerly: nothing beyond keep_unused.
+    x = randn(2, (4,))
+    plain = _jit_params(lambda a: jax.jit(jnp.sin)(a), x)
+    assert jc.jit_needs_only_keep_unused(plain)
+    assert jc.jit_needs_only_keep_unused(
+        _jit_params(lambda a: jax.jit(jnp.sin, keep_unused=True)(a), x)
+    )
+    # Donation, an explicit sharding or compiler options: bound as they are.
+    donating = _jit_params(lambda a: jax.jit(jnp.sin, donate_argnums=0)(a), x)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharded = _jit_params(lambda a: jax.jit(jnp.sin, out_shardings=device)(a), x)
+    for params in (donating, sharded, {**plain, "compiler_options_kvs": (("a", 1),)}):
+        assert not jc.jit_needs_only_keep_unused(params)
+    # A param this layer does not know (a newer JAX), or one gone: bound as it is.
+    assert not jc.jit_needs_only_keep_unused({**plain, "something_new": None})
+    assert not jc.jit_needs_only_keep_unused({k: v for k, v in plain.items() if k != "ctx_mesh"})
+
+
+def test_eager_calls_are_bound_without_unspecified_value(monkeypatch):
+    # The fallback where this JAX has no `UnspecifiedValue`: every eager call
+    # is bound through `jit_p` as it is, with the same results.
+    x = randn(3, (5,))
+    plain = _jit_params(lambda a: jax.jit(jnp.sin)(a), x)
+    monkeypatch.setattr(jc._primitives, "_UnspecifiedValue", None)
+    assert not jc.jit_needs_only_keep_unused(plain)
+    f = lambda a: jnp.sum(jnp.exp(a) * 2.0)  # noqa: E731
+    np.testing.assert_array_equal(quaxlike.quaxify(f)(quaxlike.DenseArrayValue(x)), f(x))
+
+
 def test_scan_layout_both_forms():
     assert jc.scan_layout({"num_consts": 2, "num_carry": 1}) == (2, 1)
 

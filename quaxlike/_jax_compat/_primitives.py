@@ -12,10 +12,12 @@ from ._probing import (
     _core,
     _custom_derivatives,
     _first,
+    _module,
     _pjit,
     _prims,
     _shard_map,
     missing,
+    switch_off,
 )
 from ._trace_api import ClosedJaxpr, Primitive
 
@@ -93,6 +95,65 @@ def jit_inlines_at_trace(inline) -> bool:
     if inline is True or inline is False:
         return inline
     return _INLINE_EARLY is not None and inline is _INLINE_EARLY
+
+
+_UnspecifiedValue = _first(
+    (_module("jax._src.named_sharding"), "UnspecifiedValue"),
+    (_module("jax._src.sharding_impls"), "UnspecifiedValue"),
+)
+# Every param of `jit_p` in the releases tested (0.7.2 to 0.12).
+_JIT_PARAMS = frozenset(
+    {
+        "jaxpr",
+        "in_shardings",
+        "out_shardings",
+        "in_layouts",
+        "out_layouts",
+        "donated_invars",
+        "ctx_mesh",
+        "name",
+        "keep_unused",
+        "inline",
+        "compiler_options_kvs",
+    }
+)
+if _UnspecifiedValue is None:
+    switch_off("eager jax.numpy calls on Values through a compiled call (no UnspecifiedValue)")
+
+
+def jit_needs_only_keep_unused(params) -> bool:
+    """Whether a `jit` equation with these params asks for nothing but its
+    jaxpr, its name and `keep_unused`: no sharding or layout of any input or
+    output, no donation, no compiler option, no mesh in context, no effect.
+    `jax.jit(f, keep_unused=...)` on the jaxpr's function then compiles the
+    program JAX's own implementation of `jit` compiles for the equation (how
+    `jax.numpy`'s functions are called eagerly). `False` for a param this layer
+    does not know, or where this JAX has no `UnspecifiedValue`: the equation is
+    then bound as it is.
+
+    **Arguments:**
+
+    - `params`: the params of a `jit_p` equation.
+
+    **Returns:**
+
+    `True` if the equation needs nothing beyond `keep_unused`.
+    """
+    if _UnspecifiedValue is None or params.keys() != _JIT_PARAMS:
+        return False
+    unspecified = lambda shardings: all(  # noqa: E731
+        isinstance(s, _UnspecifiedValue) for s in shardings
+    )
+    return (
+        unspecified(params["in_shardings"])
+        and unspecified(params["out_shardings"])
+        and all(layout is None for layout in params["in_layouts"])
+        and all(layout is None for layout in params["out_layouts"])
+        and not any(params["donated_invars"])
+        and not params["compiler_options_kvs"]
+        and getattr(params["ctx_mesh"], "empty", False) is True
+        and not params["jaxpr"].effects
+    )
 
 
 def scan_layout(params) -> tuple[int, int]:
