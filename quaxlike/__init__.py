@@ -5,6 +5,7 @@ import importlib.metadata
 from . import _higher_order  # noqa: F401  (registers the higher-order rules)
 from ._diagnostics import (
     AmbiguousRuleError as AmbiguousRuleError,
+    BranchMaterialisationError as BranchMaterialisationError,
     CarryChangedError as CarryChangedError,
     CarryMaterialisationError as CarryMaterialisationError,
     ConflictingDefaultsError as ConflictingDefaultsError,

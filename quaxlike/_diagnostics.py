@@ -69,15 +69,16 @@ class AmbiguousRuleError(QuaxlikeError, LookupError):
     """
 
 
-class MaterialisationError(QuaxlikeError, RuntimeError, ValueError):
+class MaterialisationError(QuaxlikeError, RuntimeError):
     """A Value could not be materialised where a primitive needed it.
 
     Raised when a primitive has no rule for a Value's type and the type refuses to
     become dense (its `materialise()` raised: the message then shows the rule to
     register), and under `materialise_policy("error")` whenever a Value would fall
-    back to being dense. Also a `RuntimeError` and a `ValueError`: Quax 0.4.6's
-    types raise the first when they refuse to materialise, Quax main's the second,
-    so code written for either catches it unchanged.
+    back to being dense. Also a `RuntimeError`, which Quax's types raise when they
+    refuse to materialise. Not a `ValueError`: JAX's own functions catch those
+    for their own purposes (`jnp.array_equiv` answers `False` for shapes that do
+    not broadcast), which would turn a refusal into a wrong answer.
 
     !!! example
 
@@ -202,6 +203,31 @@ class CarryMaterialisationError(CarryChangedError, MaterialisationError):
             quaxlike.quaxify(squares)(Unitful(jnp.ones(2), m))
         except quaxlike.CarryMaterialisationError as error:
             print(error)  # ... `scan`, a loop carry changed structure ... silently drop its unit
+        ```
+    """
+
+
+class BranchMaterialisationError(MaterialisationError, ValueError):
+    """The branches of a `cond` (`lax.cond`, `lax.switch`) return different types
+    at one output, and a Value there could not be materialised to reconcile
+    them: its `materialise()` refused (as a dimensioned `Unitful` does), or
+    `materialise_policy("error")` forbade it.
+
+    Also a `ValueError`, as Quax main raises the type's refusal there; the
+    message quotes that refusal, names the output and the ways out.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import m, Unitful
+
+        def pick(x, pred):
+            return jax.lax.cond(pred, lambda: x, lambda: jnp.zeros(3))
+
+        try:
+            quaxlike.quaxify(pick)(Unitful(jnp.ones(3), m), jnp.array(True))
+        except ValueError as error:  # a quaxlike.BranchMaterialisationError
+            print(error)  # ... output 0 ... Refusing to materialise a Unitful ...
         ```
     """
 
@@ -416,6 +442,17 @@ class messages:
         "receives (a quantity whose unit changes each iteration cannot be a carry); "
         "materialise it yourself before the loop if dropping its structure is what "
         "you want; or register a `{primitive}` rule for {type_name}."
+    )
+    BRANCH_REFUSED = (
+        "The branches of a `cond` return different types at output {index} (a "
+        "{type_name} in one, another type or the same type with other static fields "
+        "in another). A `cond` needs the same type from every branch, so quaxlike "
+        "materialises that output to a plain array, and materialising the "
+        "{type_name} failed: {error}\n"
+        "Ways out: return the same type, with the same static fields, from every "
+        "branch (wrap the plain array in the branch that returns one); materialise "
+        "it yourself in the branch if dropping its structure is what you want; or "
+        "register a `cond` rule for {type_name}."
     )
     MATERIALISED_WARNING = (
         "quaxlike materialised a {type_name} for primitive `{primitive}` (no rule "

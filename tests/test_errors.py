@@ -32,6 +32,16 @@ def test_refusing_type_error_lists_all_argument_types():
         quaxlike.quaxify(lax.atan2)(lora, jnp.ones((3, 3)))
 
 
+def test_a_refusal_is_no_value_error_that_jax_code_catches():
+    # `jnp.array_equiv` answers False where comparing raises a ValueError (shapes
+    # that do not broadcast); a refusal to materialise must reach the caller,
+    # not become that answer.
+    lora = LoraArray(jnp.ones((3, 3)), rank=1, key=jr.key(0))
+    with pytest.raises(quaxlike.MaterialisationError, match="`eq`") as info:
+        quaxlike.quaxify(jnp.array_equiv)(lora, jnp.ones((3, 3)))
+    assert not isinstance(info.value, ValueError)
+
+
 def test_aval_returning_non_aval():
     class BadAval(quaxlike.ArrayValue):
         x: jax.Array

@@ -5,7 +5,7 @@ import functools as ft
 from jax import lax
 
 from .. import _jax_compat as jc
-from .._diagnostics import QuaxlikeError
+from .._diagnostics import BranchMaterialisationError, MaterialisationError, messages, QuaxlikeError
 from .._quaxify import lifted_call
 from .._rules import register
 from ._common import AnyValue, to_dense, type_signature
@@ -25,7 +25,7 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
         def make_branch(i):
             def branch(*ops):
                 out = bodies[i](*ops)
-                out = [to_dense(o, jc.cond_p) if j in dense else o for j, o in enumerate(out)]
+                out = [_to_dense_output(o, j) if j in dense else o for j, o in enumerate(out)]
                 signatures[i] = [type_signature(o) for o in out]
                 return out
 
@@ -45,3 +45,19 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
             if not disagree - dense:
                 raise
             dense |= disagree
+
+
+def _to_dense_output(value, index: int):
+    """Output `index` of a branch, materialised because the branches disagree
+    there; a Value that refuses gives a `BranchMaterialisationError`."""
+    try:
+        return to_dense(value, jc.cond_p)
+    except MaterialisationError as error:
+        refusal = error.__cause__ if error.__cause__ is not None else error
+        raise BranchMaterialisationError(
+            messages.BRANCH_REFUSED.format(
+                index=index,
+                type_name=type(value).__name__,
+                error=f"{type(refusal).__name__}: {refusal}",
+            )
+        ) from refusal
