@@ -8,6 +8,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import ArrayLike
 
+from .._diagnostics import MaterialisationError
 from .._staging import split_arrays, StagedCall
 from .._values import materialise_value, Value
 
@@ -17,6 +18,19 @@ AnyValue = ArrayLike | Value
 
 def to_dense(x: Any, primitive) -> Any:
     return materialise_value(x, primitive, fallback=True) if isinstance(x, Value) else x
+
+
+def to_dense_or_raise(x: Any, needed_by, error_class: type, template: str, **fields):
+    """`to_dense(x, needed_by)` (a primitive), where a built-in rule needs `x` dense; if the
+    Value refuses, `error_class(template.format(error=..., **fields))` is raised
+    instead, from the type's own refusal, which `error` quotes with its class
+    name."""
+    try:
+        return to_dense(x, needed_by)
+    except MaterialisationError as error:
+        refusal = error.__cause__ if error.__cause__ is not None else error
+        quoted = f"{type(refusal).__name__}: {refusal}"
+        raise error_class(template.format(error=quoted, **fields)) from refusal
 
 
 def through_array_leaves(transform: Callable, fn: Callable, args: Sequence[Any]):

@@ -5,10 +5,10 @@ import functools as ft
 from jax import lax
 
 from .. import _jax_compat as jc
-from .._diagnostics import BranchMaterialisationError, MaterialisationError, messages, QuaxlikeError
+from .._diagnostics import BranchMaterialisationError, messages, QuaxlikeError
 from .._quaxify import lifted_call
 from .._rules import register
-from ._common import AnyValue, to_dense, type_signature
+from ._common import AnyValue, to_dense, to_dense_or_raise, type_signature
 
 
 @register(jc.cond_p)
@@ -50,14 +50,11 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
 def _to_dense_output(value, index: int):
     """Output `index` of a branch, materialised because the branches disagree
     there; a Value that refuses gives a `BranchMaterialisationError`."""
-    try:
-        return to_dense(value, jc.cond_p)
-    except MaterialisationError as error:
-        refusal = error.__cause__ if error.__cause__ is not None else error
-        raise BranchMaterialisationError(
-            messages.BRANCH_REFUSED.format(
-                index=index,
-                type_name=type(value).__name__,
-                error=f"{type(refusal).__name__}: {refusal}",
-            )
-        ) from refusal
+    return to_dense_or_raise(
+        value,
+        jc.cond_p,
+        BranchMaterialisationError,
+        messages.BRANCH_REFUSED,
+        index=index,
+        type_name=type(value).__name__,
+    )

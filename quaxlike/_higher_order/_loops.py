@@ -21,7 +21,7 @@ from .._diagnostics import (
 from .._quaxify import lifted_call
 from .._rules import register
 from .._values import checked_aval, describe, Value
-from ._common import AnyValue, to_dense, type_signature
+from ._common import AnyValue, to_dense, to_dense_or_raise, type_signature
 
 
 def _run_with_carry_fallback(primitive, init, run):
@@ -78,21 +78,20 @@ def _densify(values, dense: dict[int, tuple[str, str]], primitive):
         if i not in dense:
             out.append(v)
             continue
-        try:
-            out.append(to_dense(v, primitive))
-        except MaterialisationError as error:
-            refusal = error.__cause__ if error.__cause__ is not None else error
-            before, after = dense[i]
-            raise CarryMaterialisationError(
-                messages.CARRY_REFUSED.format(
-                    primitive=primitive.name,
-                    index=i,
-                    before=before,
-                    after=after,
-                    type_name=type(v).__name__,
-                    error=f"{type(refusal).__name__}: {refusal}",
-                )
-            ) from refusal
+        before, after = dense[i]
+        out.append(
+            to_dense_or_raise(
+                v,
+                primitive,
+                CarryMaterialisationError,
+                messages.CARRY_REFUSED,
+                primitive=primitive.name,
+                index=i,
+                before=before,
+                after=after,
+                type_name=type(v).__name__,
+            )
+        )
     return out
 
 
