@@ -347,3 +347,31 @@ def test_import_on_an_unknown_newer_jax():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def test_jit_options_identify_the_params_but_the_jaxpr():
+    x = randn(4, (3,))
+    plain = _jit_params(lambda a: jax.jit(jnp.sin)(a), x)
+    options = jc.jit_options(plain)
+    assert options is not None and len(options) == len(plain) - 1
+    assert not any(o is plain["jaxpr"] for o in options)
+    assert set(map(id, options)) <= {id(v) for k, v in plain.items() if k != "jaxpr"}
+    # A param this layer does not know, or one gone: nothing to remember by.
+    assert jc.jit_options({**plain, "something_new": None}) is None
+    assert jc.jit_options({k: v for k, v in plain.items() if k != "ctx_mesh"}) is None
+    renamed = {("ctx_meshes" if k == "ctx_mesh" else k): v for k, v in plain.items()}
+    assert jc.jit_options(renamed) is None
+
+
+def test_without_mesh_tells_an_explicitly_sharded_aval():
+    assert jc.without_mesh(jax.typeof(jnp.ones(3)))
+    assert jc.without_mesh(jax.ShapeDtypeStruct((2,), jnp.float32))
+    axis_type = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    if axis_type is None:
+        pytest.skip("this JAX has no explicit mesh axes")
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(axis_type,))
+    sharded = jax.device_put(jnp.ones(4), jax.sharding.NamedSharding(mesh, jax.P("x")))
+    # Asked twice: the first answer is not remembered for another mesh.
+    for _ in range(2):
+        assert jc.without_mesh(jax.typeof(jnp.ones(3)))
+        assert not jc.without_mesh(jax.typeof(sharded))

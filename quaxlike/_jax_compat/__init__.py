@@ -31,6 +31,7 @@ from ._primitives import (
     JIT_INLINE_AT_TRACE as JIT_INLINE_AT_TRACE,
     jit_inlines_at_trace as jit_inlines_at_trace,
     jit_needs_only_keep_unused as jit_needs_only_keep_unused,
+    jit_options as jit_options,
     jit_p as jit_p,
     lax_primitive_by_name as lax_primitive_by_name,
     pvary_p as pvary_p,

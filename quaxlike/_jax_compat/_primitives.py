@@ -1,6 +1,7 @@
 """Primitives of higher-order operations, found wherever this JAX keeps them,
 and their params whose form changed between releases (see README.md)."""
 
+import operator
 from typing import Any
 
 import jax
@@ -117,6 +118,8 @@ _JIT_PARAMS = frozenset(
         "compiler_options_kvs",
     }
 )
+# The params of a `jit_p` equation other than its jaxpr, in a fixed order.
+_jit_options = operator.itemgetter(*sorted(_JIT_PARAMS - {"jaxpr"}))
 if _UnspecifiedValue is None:
     switch_off("eager jax.numpy calls on Values through a compiled call (no UnspecifiedValue)")
 
@@ -154,6 +157,29 @@ def jit_needs_only_keep_unused(params) -> bool:
         and getattr(params["ctx_mesh"], "empty", False) is True
         and not params["jaxpr"].effects
     )
+
+
+def jit_options(params) -> tuple | None:
+    """The params of a `jit` equation other than its jaxpr, as a tuple in a
+    fixed order, or `None` where they are not the ones this layer knows. JAX
+    hands the same param objects to every call of one jitted function on
+    arguments of one type, so a caller may remember what it learnt from them
+    by their identity.
+
+    **Arguments:**
+
+    - `params`: the params of a `jit_p` equation.
+
+    **Returns:**
+
+    The tuple of the other params' values, or `None`.
+    """
+    if len(params) != len(_JIT_PARAMS):
+        return None
+    try:
+        return _jit_options(params)
+    except KeyError:
+        return None
 
 
 def scan_layout(params) -> tuple[int, int]:

@@ -293,12 +293,21 @@ def is_primitive(obj) -> bool:
     return isinstance(obj, Primitive)
 
 
+# The last mesh found empty (meshes are immutable): almost every aval names the
+# one empty mesh, and asking it again costs more than the rest of the check.
+_empty_mesh: list = [None]
+
+
 def without_mesh(aval) -> bool:
     """Whether `aval` names no mesh in its sharding (nothing explicitly
     sharded, nothing `bind` would reshard)."""
-    sharding = getattr(aval, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    return sharding is None or mesh is None or bool(getattr(mesh, "empty", False))
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    if mesh is None or mesh is _empty_mesh[0]:
+        return True
+    if getattr(mesh, "empty", False) is True:
+        _empty_mesh[0] = mesh
+        return True
+    return False
 
 
 ArrayImpl: Any = _first((_array, "ArrayImpl"))
