@@ -29,6 +29,7 @@ them per sub-program, dropped whenever a rule is registered.
 """
 
 import contextlib
+import operator
 import weakref
 
 import jax
@@ -64,7 +65,8 @@ class _PerSubProgram:
 # {(parent trace type or "eager", argument kinds): verdict} per sub-program.
 _verdicts = _PerSubProgram()
 on_rules_changed(_verdicts.clear)
-# {(name, keep_unused): `jax.jit` of the sub-program's function} per sub-program:
+# {(name, keep_unused): `jax.jit` of the sub-program's function, "last": (the
+# last params but the jaxpr, the `jax.jit` for them or None)} per sub-program:
 # runs no rule, so it stays when rules change.
 _compiled_calls = _PerSubProgram()
 
@@ -137,29 +139,33 @@ def materialise_at_call(trace, primitive, tracers, values, params):
     refuses to materialise, `NotImplemented`: running the sub-program op by
     op then raises at the operation that needed it, naming that operation."""
     parent = trace.parent_trace
+    arrays = list(tracers)
     with jc.set_current_trace(parent):
-        try:
-            arrays = [
-                t if t is v else materialise_value(v, primitive, aval=t.aval)
-                for t, v in zip(tracers, values)
-            ]
-        except Exception:
-            return NotImplemented
-        for a in arrays:
+        binds_plainly = True
+        for i, (t, v) in enumerate(zip(tracers, values)):
+            if t is v:
+                continue  # not a Value: the argument `bind` handed this trace
+            try:
+                a = arrays[i] = materialise_value(v, primitive, aval=t.aval)
+            except Exception:
+                return NotImplemented
             # Not a tracer of `parent` with no mesh in its type: something
             # `bind` would canonicalise or reshard.
-            if not (isinstance(a, jc.Tracer) and a._trace is parent and jc.without_mesh(a.aval)):
-                if trace.eager and primitive is jc.jit_p:
-                    return run_compiled(arrays, params)
-                return primitive.bind(*arrays, **params)
-    # Every array is a live tracer of the parent with the aval the call was
-    # bound with: `bind` would check nothing new (the checks passed on the way
-    # here, for the same params and avals) and hand them to the parent's
-    # `process_primitive`, with the current trace as it is now (outside the
-    # block above). Going there directly, materialising plainly and computing
-    # dispatch kinds once took the dense depth-32 trace from 1.139 to 1.106 of
-    # plain JAX's instructions (benchmarks/README.md, "Where the time goes",
-    # item 16).
+            binds_plainly = binds_plainly and (
+                isinstance(a, jc.Tracer) and a._trace is parent and jc.without_mesh(a.aval)
+            )
+        if not binds_plainly:
+            if trace.eager and primitive is jc.jit_p:
+                return run_compiled(arrays, params)
+            return primitive.bind(*arrays, **params)
+    # Every array is the argument `bind` handed this trace, or a live tracer of
+    # the parent with the aval the call was bound with: `bind` would check
+    # nothing new (the checks passed on the way here, for the same params and
+    # avals) and hand them to the parent's `process_primitive`, with the
+    # current trace as it is now (outside the block above). Going there
+    # directly, materialising plainly and computing dispatch kinds once took
+    # the dense depth-32 trace from 1.139 to 1.106 of plain JAX's instructions
+    # (benchmarks/README.md, "Where the time goes", item 16).
     return parent.process_primitive(primitive, arrays, params)
 
 
@@ -173,20 +179,43 @@ def run_compiled(arrays, params):
     Only for a call that asks for nothing `jax.jit` would not be given (see
     `jc.jit_needs_only_keep_unused`) on arrays that are no tracers; others are
     bound as they are. Called under the eager trace."""
-    if not jc.jit_needs_only_keep_unused(params) or any(isinstance(a, jc.Tracer) for a in arrays):
-        return jc.jit_p.bind(*arrays, **params)
-    closed_jaxpr, name, keep_unused = params["jaxpr"], params["name"], params["keep_unused"]
+    call = _compiled_call(params)
+    if call is not None:
+        for a in arrays:
+            if isinstance(a, jc.Tracer):
+                break
+        else:
+            return call(*arrays)
+    return jc.jit_p.bind(*arrays, **params)
+
+
+def _compiled_call(params):
+    """The `jax.jit` that stands for a `jit` equation with `params`, or `None`
+    where the equation must be bound as it is. What was decided for the last
+    params of each sub-program is reused while the same param objects come
+    back (JAX hands them out again for every call of one jitted function on
+    arguments of one type): the params check then costs nothing."""
+    closed_jaxpr = params["jaxpr"]
     known = _compiled_calls.of(closed_jaxpr)
-    call = known.get((name, keep_unused))
-    if call is None:
-        jaxpr_ref = weakref.ref(closed_jaxpr)  # the entry must not keep its jaxpr alive
+    options = jc.jit_options(params)
+    last = known.get("last")
+    if last is not None and options is not None and all(map(operator.is_, last[0], options)):
+        return last[1]
+    call = None
+    if jc.jit_needs_only_keep_unused(params):
+        name, keep_unused = params["name"], params["keep_unused"]
+        call = known.get((name, keep_unused))
+        if call is None:
+            jaxpr_ref = weakref.ref(closed_jaxpr)  # the entry must not keep its jaxpr alive
 
-        def sub_program(*args):
-            return jc.jaxpr_as_fun(jaxpr_ref())(*args)
+            def sub_program(*args):
+                return jc.jaxpr_as_fun(jaxpr_ref())(*args)
 
-        sub_program.__name__ = sub_program.__qualname__ = name
-        call = known[(name, keep_unused)] = jax.jit(sub_program, keep_unused=keep_unused)
-    return call(*arrays)
+            sub_program.__name__ = sub_program.__qualname__ = name
+            call = known[(name, keep_unused)] = jax.jit(sub_program, keep_unused=keep_unused)
+    if options is not None:
+        known["last"] = (options, call)
+    return call
 
 
 def inline(trace, closed_jaxpr, tracers, judge: bool = False):

@@ -287,3 +287,24 @@ def test_eager_calls_run_as_one_compiled_call(monkeypatch):
     assert bound == ["cos"]
     np.testing.assert_array_equal(out, g(x), strict=True)
     assert out.sharding == g(x).sharding
+
+
+def test_compiled_calls_follow_each_calls_params(monkeypatch):
+    # What is decided for one sub-program's params is remembered by their
+    # identity: params that differ (an output sharding here) are never taken
+    # for the last ones, in either order.
+    from quaxlike._sub_programs import run_compiled
+
+    jit_p = quaxlike._jax_compat.jit_p
+    bound, impl = [], jit_p.impl
+    monkeypatch.setattr(jit_p, "impl", lambda *a, **p: bound.append(p["name"]) or impl(*a, **p))
+    x = randn(7, (4,))
+    (eqn,) = jax.make_jaxpr(lambda a: jax.jit(jnp.sin)(a))(x).jaxpr.eqns
+    plain = dict(eqn.params)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharded = {**plain, "out_shardings": (device,)}
+    for params, binds in [(plain, False), (sharded, True), (plain, False), (sharded, True)]:
+        before = len(bound)
+        (out,) = run_compiled([x], params)
+        assert (len(bound) > before) is binds
+        np.testing.assert_array_equal(out, jnp.sin(x), strict=True)
