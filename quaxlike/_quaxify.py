@@ -11,16 +11,18 @@ trace for quaxlike's own rules, without building the wrapper.
 
 import contextvars
 import re
+import types
 from collections.abc import Callable
 from typing import Any, cast, Generic, TypeVar
 
 import equinox as eqx
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PyTree
 
 from . import _instrument, _jax_compat as jc
 from ._diagnostics import messages, QuaxlikeError, ValueNotLiftedError
-from ._trace import QuaxTrace
+from ._trace import QuaxTrace, QuaxTracer
 from ._values import is_value, Value
 
 
@@ -128,6 +130,8 @@ def _call_in_trace(trace: QuaxTrace, leaves, treedef, static, selected):
     dynamic = jtu.tree_unflatten(treedef, lifted)
     fn, args, kwargs = dynamic if static is None else eqx.combine(dynamic, static, is_leaf=is_value)
     out = fn(*args, **kwargs)
+    if type(out) in _LEAF_TYPES:
+        return trace.unwrap(out)  # one tracer or array: what flattening finds
     # Flatten fully (into Values too) so that a Value built from this trace's
     # tracers comes back as a Value holding Values, not holding tracers.
     out_leaves, out_treedef = jtu.tree_flatten(out)
@@ -177,7 +181,15 @@ def _run_in_new_trace(
 
 def _call(fn, filter_spec, args, kwargs):
     selected = None
-    if filter_spec is not True and callable(filter_spec) and _is_single_leaf(filter_spec):
+    if filter_spec is True and not kwargs and type(fn) in _FUNCTION_TYPES:
+        # A plain function of Values and arrays (every one a leaf): the leaves
+        # and structure flattening would find, without flattening.
+        leaves, treedef = _flat_call(fn, args)
+        static, lifting = None, leaves is not None and any(map(is_value, args))
+        if leaves is None:  # an argument that may hold Values of its own
+            leaves, treedef = jtu.tree_flatten((fn, args, kwargs), is_leaf=is_value)
+            lifting = any(map(is_value, leaves))
+    elif filter_spec is not True and callable(filter_spec) and _is_single_leaf(filter_spec):
         # One predicate for every leaf: what `eqx.partition` and `eqx.combine`
         # would do with it, in one pass over the leaves instead of four (only
         # Values are asked: nothing else is lifted).
@@ -199,6 +211,28 @@ def _call(fn, filter_spec, args, kwargs):
         if better is None:
             raise
         raise better from error
+
+
+# Types that are always leaves of a PyTree, and functions (leaves too) that
+# hold nothing to lift.
+_LEAF_TYPES = frozenset({QuaxTracer, *([jc.ArrayImpl] if jc.ArrayImpl else []), np.ndarray})
+_FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType)
+_SCALAR_TYPES = frozenset({bool, int, float, complex})
+# `(fn, args, {})`'s structure when every one is a leaf, by the number of args.
+_flat_structures: dict[int, Any] = {}
+
+
+def _flat_call(fn, args) -> tuple[list | None, Any]:
+    """`(leaves, treedef)` of `(fn, args, {})` flattened with Values as leaves,
+    where `fn` and every argument are leaves: Values, arrays or numbers; else
+    `(None, None)`."""
+    for a in args:
+        if not (is_value(a) or type(a) in _LEAF_TYPES or type(a) in _SCALAR_TYPES):
+            return None, None
+    treedef = _flat_structures.get(len(args))
+    if treedef is None:
+        treedef = _flat_structures[len(args)] = jtu.tree_structure((0, (0,) * len(args), {}))
+    return [fn, *args], treedef
 
 
 def _is_single_leaf(x) -> bool:
