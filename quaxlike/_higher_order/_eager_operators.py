@@ -29,7 +29,6 @@ import jax
 import numpy as np
 
 from .. import _jax_compat as jc
-from .._diagnostics import MaterialisationError
 from .._rules import on_rules_changed, plan_for
 from .._staging import shortcuts_apply
 from .._sub_programs import only_materialises
@@ -101,13 +100,13 @@ def _dense_operator(tracer: QuaxTracer, name: str, function, other):
     if not applies:
         return NotImplemented
     with jc.set_current_trace(trace.parent_trace):
+        # Materialised plainly: `shortcuts_apply` means the "allow" policy and
+        # nothing recording, so there is nothing to warn about or note.
         try:
-            dense = materialise_value(value, jc.jit_p, fallback=True, aval=tracer.aval)
+            dense = materialise_value(value, jc.jit_p, aval=tracer.aval)
             if other_aval is not None:
-                other = materialise_value(
-                    cast(Value, other), jc.jit_p, fallback=True, aval=other_aval
-                )
-        except MaterialisationError:
+                other = materialise_value(cast(Value, other), jc.jit_p, aval=other_aval)
+        except Exception:
             return NotImplemented  # the ordinary path names the operation that needed it
         return function(dense, other)
 
