@@ -217,6 +217,11 @@ def known_function(name: str, jaxpr: Any, args: tuple) -> Callable | None:
 # --- the rule for a `jit` ------------------------------------------------------
 
 
+# `evaluate(jaxpr, *args)` with the Values among `args` lifted (one wrapper for
+# every call: a `jaxpr` is a leaf, never lifted).
+_evaluate_lifted = quaxlike.quaxify(evaluate)
+
+
 @quaxlike.register(jax.extend.core.primitives.jit_p)
 @tracking
 def jit_p_unitful(*args: Unitful | ArrayLike, jaxpr, inline=False, name="jit", **params):
@@ -231,7 +236,7 @@ def jit_p_unitful(*args: Unitful | ArrayLike, jaxpr, inline=False, name="jit", *
         # stays known inside: `jnp.var(x)` hands its `ddof` to its body as a
         # literal, `jnp.where(c, x, jnp.nan)` its NaN. A `jit` is transparent:
         # the values computed are the same either way.
-        return quaxlike.quaxify(ft.partial(evaluate, jaxpr))(*args)
+        return _evaluate_lifted(jaxpr, *args)
     # Nothing known among the plain arguments: keep the `jit` boundary, as the
     # built-in rule does. A `Unitful` is a PyTree whose unit is static, so it
     # crosses it as it is. (Inside, every argument is a new tracer, known to

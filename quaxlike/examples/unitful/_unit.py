@@ -14,6 +14,9 @@ _Exponent: TypeAlias = int | Fraction | float
 
 # Exponents must stay exact: `sqrt(m^2)` must be `m`, not `m^1.0000000002`.
 _MAX_DENOMINATOR = 1000
+# `Unit.__mul__`'s results, by (left, right); cleared when it holds this many.
+_MAX_PRODUCTS = 4096
+_products: dict = {}
 
 
 def _as_fraction(exponent: Any, what: str) -> Fraction:
@@ -157,8 +160,17 @@ class Unit:
     def __mul__(self, other: "Unit") -> "Unit":
         if not isinstance(other, Unit):
             return NotImplemented
-        exponents = tuple(a + b for a, b in zip(self._exponents, other._exponents))
-        return Unit._make(exponents, self._scale * other._scale)
+        # Every product on a quantity computes one (eagerly, once per
+        # operation): units are immutable, so each product is worked out once.
+        key = (self, other)
+        product = _products.get(key)
+        if product is None:
+            exponents = tuple(a + b for a, b in zip(self._exponents, other._exponents))
+            product = Unit._make(exponents, self._scale * other._scale)
+            if len(_products) >= _MAX_PRODUCTS:
+                _products.clear()
+            _products[key] = product
+        return product
 
     def __truediv__(self, other: "Unit") -> "Unit":
         if not isinstance(other, Unit):
