@@ -161,12 +161,18 @@ class _ForwardTracer(jax.core.Tracer):
 
 class _ForwardTrace(jax.core.Trace):
     """A trace whose every primitive is bound again, unchanged, on the trace
-    below it: the work any Value-interpreting trace does at the least."""
+    below it: the work any Value-interpreting trace does at the least. With
+    `compiled`, a `jit` equation (every `jax.numpy` call) is run instead through
+    one `jax.jit` of its sub-program, made once and called through JAX's C++
+    dispatch: the floor of a trace that runs eager calls as quaxlike's
+    `run_compiled` does, with no check of the call's params (the benchmark's
+    calls ask for nothing beyond `keep_unused`)."""
 
-    def __init__(self, parent: Any, tag: Any):
+    def __init__(self, parent: Any, tag: Any, compiled: bool = False):
         super().__init__()
         self.parent = parent
         self.tag = tag
+        self.compiled = compiled
 
     def _lower(self, x: Any) -> Any:
         return x.val if isinstance(x, _ForwardTracer) and x._trace.tag is self.tag else x
@@ -174,19 +180,37 @@ class _ForwardTrace(jax.core.Trace):
     def process_primitive(self, primitive, tracers, params):
         vals = [self._lower(t) for t in tracers]
         with jexc.set_current_trace(self.parent):
-            out = primitive.bind(*vals, **params)
+            if self.compiled and primitive is jexc.primitives.jit_p:
+                out = _compiled_sub_program(params)(*vals)
+            else:
+                out = primitive.bind(*vals, **params)
         if primitive.multiple_results:
             return [_ForwardTracer(self, o) for o in out]
         return _ForwardTracer(self, out)
 
 
-def forward(fn: Callable[..., Any]) -> Callable[..., Any]:
+# One `jax.jit` per sub-program (the jaxpr is kept, so its id stays its own).
+_compiled: dict[int, tuple[Any, Callable[..., Any]]] = {}
+
+
+def _compiled_sub_program(params: dict) -> Callable[..., Any]:
+    closed_jaxpr = params["jaxpr"]
+    entry = _compiled.get(id(closed_jaxpr))
+    if entry is None:
+        call = jax.jit(jexc.jaxpr_as_fun(closed_jaxpr), keep_unused=params["keep_unused"])
+        entry = _compiled[id(closed_jaxpr)] = (closed_jaxpr, call)
+    return entry[1]
+
+
+def forward(fn: Callable[..., Any], compiled: bool = False) -> Callable[..., Any]:
     """`fn` run under a fresh forwarding trace (like `quaxify` with nothing to
     dispatch on).
 
     **Arguments:**
 
     - `fn`: a function of arrays.
+    - `compiled`: run each `jit` equation through one compiled call (see
+      `_ForwardTrace`).
 
     **Returns:** a function with the same results as `fn`.
     """
@@ -194,7 +218,7 @@ def forward(fn: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any) -> Any:
         tag = jexc.TraceTag()
         with jexc.take_current_trace() as parent:
-            trace = _ForwardTrace(parent, tag)
+            trace = _ForwardTrace(parent, tag, compiled)
             inputs = jtu.tree_map(lambda a: _ForwardTracer(trace, a), args)
             with jexc.set_current_trace(trace):
                 out = fn(*inputs)

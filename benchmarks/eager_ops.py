@@ -23,7 +23,10 @@ own types (see `_eager_impls.py`); all operands have 16 elements:
 
 Columns: plain JAX; `forward`, the same plain function under a trace that binds
 every primitive again, unchanged, on the trace below (the floor of any trace
-that forwards each operation); Quax; quaxlike. The implementations run
+that forwards each operation); `forward, compiled`, the same trace running each
+`jax.numpy` call through one compiled call, as quaxlike does eagerly (the floor
+of such a trace: JAX's Python `jit` path, taken because a trace is current,
+plus the compiled call); Quax; quaxlike. The implementations run
 interleaved in one process: each repeat times every column of a case back to
 back, and the medians are reported.
 
@@ -65,7 +68,7 @@ class CompiledLoraArray(LoraArray):
 
 WIDTH = 16
 RANK = 4
-PLAIN, FORWARD = "plain JAX", "forward"
+PLAIN, FORWARD, FORWARD_COMPILED = "plain JAX", "forward", "forward, compiled"
 _CHILD_FLAG = h.CALLGRIND_CHILD_FLAG
 _callgrind = h.callgrind_control
 
@@ -90,6 +93,8 @@ class Case:
         fns = {PLAIN: lambda: self.plain(*self.args)}
         forward = impls.forward(self.plain)
         fns[FORWARD] = lambda: forward(*self.args)
+        forward_compiled = impls.forward(self.plain, compiled=True)
+        fns[FORWARD_COMPILED] = lambda: forward_compiled(*self.args)
         fns.update(self.runs)
         return fns
 
@@ -285,7 +290,7 @@ def _time(fns: dict[str, Callable[[], Any]], calls: int, repeats: int) -> dict[s
 
 
 def _columns(libs: list[impls.Impl]) -> list[str]:
-    return [PLAIN, FORWARD, *(lib.name for lib in libs)]
+    return [PLAIN, FORWARD, FORWARD_COMPILED, *(lib.name for lib in libs)]
 
 
 def _verdict(case: Case, cost: dict[str, float], quax_name: str | None) -> str:
