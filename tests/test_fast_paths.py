@@ -308,3 +308,51 @@ def test_compiled_calls_follow_each_calls_params(monkeypatch):
         (out,) = run_compiled([x], params)
         assert (len(bound) > before) is binds
         np.testing.assert_array_equal(out, jnp.sin(x), strict=True)
+
+
+@pytest.mark.parametrize(
+    "args, split",
+    [
+        ((), True),
+        ((1.0,), True),
+        ((True, 2, 3.0, 1j), True),
+        ((np.arange(3.0),), True),
+        ((jnp.arange(3.0),), True),
+        ((np.float32(2.0),), False),  # a NumPy scalar: not one of the leaf types
+        (((1.0,),), False),  # a container
+        ((None,), False),  # an empty PyTree, no leaf
+    ],
+    ids=["none", "float", "python-numbers", "numpy", "array", "numpy-scalar", "tuple", "None"],
+)
+def test_the_flat_split_of_a_call_is_what_flattening_finds(args, split):
+    # `_flat_call` stands in for `tree_flatten((fn, args, {}), is_leaf=is_value)`
+    # where every argument is a leaf, and declines elsewhere.
+    from quaxlike._quaxify import _flat_call
+    from quaxlike._values import is_value
+
+    def fn(*a):
+        return a
+
+    value = quaxlike.DenseArrayValue(jnp.ones(3))
+    for call_args in (args, (value, *args), (*args, value)):
+        leaves, treedef = _flat_call(fn, call_args)
+        if not split:
+            assert (leaves, treedef) == (None, None)
+            continue
+        expected_leaves, expected_treedef = jax.tree_util.tree_flatten(
+            (fn, call_args, {}), is_leaf=is_value
+        )
+        assert treedef == expected_treedef
+        assert len(leaves) == len(expected_leaves)
+        assert all(a is b for a, b in zip(leaves, expected_leaves))
+
+
+def test_a_single_result_and_a_tuple_of_results_come_back_as_plain_jax_s():
+    value = quaxlike.DenseArrayValue(jnp.arange(4.0))
+    single = quaxlike.quaxify(lambda x, y: x * y)(value, 2.0)
+    pair = quaxlike.quaxify(lambda x, y: (x * y, y))(value, 2.0)
+    expected = jnp.arange(4.0) * 2.0
+    assert type(single) is type(expected)
+    np.testing.assert_array_equal(single, expected)
+    assert type(pair) is tuple and pair[1] == 2.0
+    np.testing.assert_array_equal(pair[0], expected)
