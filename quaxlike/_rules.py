@@ -83,19 +83,16 @@ def _as_primitives(primitive) -> list[jc.Primitive]:
 
 
 def _dispatcher_for(primitive: jc.Primitive) -> plum.Function:
-    try:
-        return _dispatchers[primitive]
-    except KeyError:
-        pass
+    function = _dispatchers.get(primitive)
+    if function is None:
 
-    def placeholder(*args, **params):  # never called: lookup goes through `dispatch`
-        raise AssertionError
+        def placeholder(*args, **params):  # never called: lookup goes through `plan_for`
+            raise AssertionError
 
-    name = f"{primitive.name.replace('-', '_')}_rules"
-    placeholder.__name__ = name
-    placeholder.__qualname__ = name
-    function = plum.Function(placeholder)
-    _dispatchers[primitive] = function
+        placeholder.__name__ = placeholder.__qualname__ = (
+            f"{primitive.name.replace('-', '_')}_rules"
+        )
+        function = _dispatchers[primitive] = plum.Function(placeholder)
     return function
 
 

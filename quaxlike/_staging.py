@@ -65,9 +65,7 @@ def split_arrays(tree, is_array: Callable[[Any], bool] = eqx.is_array) -> SplitT
     """Take `tree` apart into its array leaves and the rest. `is_array` says
     which leaves count as arrays; its answer must depend on the leaf's type."""
     leaves, treedef = jtu.tree_flatten(tree)
-    known = _array_types.get(is_array)
-    if known is None:
-        known = _array_types[is_array] = {}
+    known = _array_types.setdefault(is_array, {})
     arrays, positions = [], []
     for i, leaf in enumerate(leaves):
         answer = known.get(type(leaf))

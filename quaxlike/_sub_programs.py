@@ -3,29 +3,25 @@
 
 Most `jax.numpy` functions are `jit`s that JAX inlines where they are traced,
 so a quaxified function meets a `jit` equation around almost every operation.
-The rule runs the sub-program under a nested `quaxify`; the functions here give
-the same result for less work.
+The rule runs the sub-program under a nested `quaxify`; these functions give
+the same result for less work:
 
 - `inline` evaluates the sub-program's equations in the trace that met the
-  call, each going through the trace exactly as it would in the nested trace
-  (nested traces were the largest cost of tracing a model: benchmarks/README.md,
-  "Where the time goes", items 2 and 5). With `judge`, it also works out the
-  *verdict*: whether every operation on a Value only materialised it (no rule,
-  and no type's own `default`).
+  call, with no nested trace; with `judge`, it also works out the *verdict*:
+  whether every operation on a Value only materialised it (no rule, and no
+  type's own `default`).
 - `only_materialises` works out the same verdict without running anything, for
   eager code, where every intermediate array is a concrete array.
+- `materialise_at_call` computes what `Value.default` gives when applied to the
+  call as a whole: what a sub-program whose verdict is true computes under the
+  plain "allow" policy.
 - `run_compiled` runs an eager `jit` on concrete arrays as plain JAX runs it,
   through one compiled call.
-- `materialise_at_call` computes what `Value.default` gives when applied to the
-  call as a whole (the Values materialised, the call bound on the dense arrays):
-  what a sub-program whose verdict is true computes under the plain "allow"
-  policy (items 6 and 9: a dense model went from 1.40 to about 1.1 of plain
-  JAX). Eagerly it runs the call as JAX runs it on dense arrays, one compiled
-  call, instead of op by op.
 
 Verdicts depend on the sub-program, the registered rules, the kinds of the
-arguments and the kind of array the parent trace produces: `verdicts_of` keeps
-them per sub-program, dropped whenever a rule is registered.
+arguments and of the parent trace: `verdicts_of` keeps them per sub-program
+until a rule is registered. (What each shortcut saves: benchmarks/README.md,
+"Where the time goes", items 2, 5, 6, 9, 16-18.)
 """
 
 import contextlib
@@ -158,27 +154,20 @@ def materialise_at_call(trace, primitive, tracers, values, params):
             if trace.eager and primitive is jc.jit_p:
                 return run_compiled(arrays, params)
             return primitive.bind(*arrays, **params)
-    # Every array is the argument `bind` handed this trace, or a live tracer of
+    # Every array is an argument `bind` handed this trace or a live tracer of
     # the parent with the aval the call was bound with: `bind` would check
-    # nothing new (the checks passed on the way here, for the same params and
-    # avals) and hand them to the parent's `process_primitive`, with the
-    # current trace as it is now (outside the block above). Going there
-    # directly, materialising plainly and computing dispatch kinds once took
-    # the dense depth-32 trace from 1.139 to 1.106 of plain JAX's instructions
-    # (benchmarks/README.md, "Where the time goes", item 16).
+    # nothing new and hand them to the parent's `process_primitive`, with the
+    # current trace as it is now (outside the block above).
     return parent.process_primitive(primitive, arrays, params)
 
 
 def run_compiled(arrays, params):
     """Eagerly, `jit_p.bind(*arrays, **params)` on concrete arrays, through a
-    `jax.jit` of the sub-program's function made once per sub-program: JAX's
-    C++ dispatch of the compiled program, as plain JAX calls a `jax.numpy`
-    function on arrays, instead of binding `jit` through Python (which costs
-    more than the operation: benchmarks/README.md, "Where the time goes", item
-    17). The same program is compiled, so the results are bitwise the same.
-    Only for a call that asks for nothing `jax.jit` would not be given (see
-    `jc.jit_needs_only_keep_unused`) on arrays that are no tracers; others are
-    bound as they are. Called under the eager trace."""
+    `jax.jit` of the sub-program made once per sub-program and called through
+    JAX's C++ dispatch, as plain JAX calls a `jax.numpy` function: the same
+    program, so bitwise the same results. A call that asks for more than
+    `keep_unused` (`jc.jit_needs_only_keep_unused`), or on tracers, is bound
+    as it is. Called under the eager trace."""
     call = _compiled_call(params)
     if call is not None:
         for a in arrays:

@@ -1,25 +1,20 @@
 """Arithmetic operators on Values in eager code, without JAX's Python `jit` path.
 
-Eagerly (a quaxified function called outside any transformation), `value +
-other` calls `jax.numpy`'s jitted `add` with a tracer among its arguments, so
-JAX takes the Python path of `jax.jit` (tens of microseconds: flattening,
-abstract evaluation, binding `jit_p`) before the trace sees the call. Where
-every operation of that call on the Values would only materialise them, the
-`jit` rule's shortcut then materialises them and binds the call on the dense
-arrays (see `_jit`): the result is exactly `dense_value + dense_other` as JAX
-computes it. For the arithmetic operators, this module takes that step
-directly: `QuaxTracer`'s operator methods materialise and apply the operator to
-the dense arrays, going through JAX's own fast path. Measured gain: eager
-`x + y` on Values ~150 us -> ~60 us (benchmarks/README.md, item 13).
+Eagerly, `value + other` calls `jax.numpy`'s jitted `add` with a tracer among
+its arguments, so JAX takes the Python path of `jax.jit` (flattening, abstract
+evaluation, binding `jit_p`) before the trace sees the call. Where every
+operation of that call on the Values would only materialise them, the `jit`
+rule's shortcut then binds the call on the dense arrays (see `_jit`). For the
+arithmetic operators, `QuaxTracer`'s operator methods take that step directly:
+materialise, and apply the operator to the dense arrays through JAX's own fast
+path (benchmarks/README.md, item 13).
 
-Only taken where nothing can tell the two apart: the current trace is the
-eager `QuaxTrace` itself (not a transformation inside the quaxified function),
-`jax.disable_jit` is off, `shortcuts_apply` (the predicate every shortcut
-reads), the other operand is a Value lifted by the same trace, a concrete
-array, a NumPy array or a Python number, the rule that dispatch would choose
-for the call is the built-in one, and the operator's program on operands of
-these kinds and avals only materialises the Values. Otherwise the operator runs
-as JAX defines it.
+Only where nothing can tell the two apart: the current trace is the eager
+`QuaxTrace` itself, `jax.disable_jit` is off, `shortcuts_apply`, the other
+operand is a Value of the same trace, a concrete or NumPy array or a Python
+number, the `jit` rule is the built-in one, and the operator's program on
+operands of these kinds and avals only materialises the Values. Otherwise the
+operator runs as JAX defines it.
 """
 
 import operator
