@@ -12,14 +12,18 @@ reproducibly; the timed scripts remain the measure the targets are stated in.
 
 The same cases as `trace_time.py` (dense through the interpreter, LoRA against
 hand-written) and `nested.py` (both orders of nesting, against one `quaxify`),
-each sample a freshly built function as there. All cases run in one Python
+each sample a freshly built function as there, and the training step of
+`scale.py`'s 1B-shaped decoder with LoRA against the same LoRA written by hand
+(`jax.jit(step).trace` on abstract arguments; its "depth" column names the
+model). All cases run in one Python
 process under `valgrind --tool=callgrind`, with instrumentation switched on only
 around the measured samples; each measured segment is closed by a callgrind
 dump, and the cost of requesting a dump (measured on empty segments) is
 subtracted. Without Valgrind the script says so and exits without measuring.
 
 Run: `python benchmarks/instructions.py [--quick] [--repeats N]` (repeats:
-samples per cell, default 3, at most 5; three to four minutes in all).
+samples per cell, default 3, at most 5; about eight minutes in all, half of
+it the 1B step).
 """
 
 import statistics
@@ -34,13 +38,26 @@ _callgrind = h.callgrind_control
 # timed scripts' 41): counts barely vary between samples, and each depth-32
 # sample costs seconds under Valgrind.
 _MAX_SAMPLES = 5
-_TARGETS = {"dense": 1.10, "lora": 1.10, "nested, Zero outer": 1.05, "nested, LoRA outer": 1.05}
+_SCALE = "LoRA step (scale.py)"
+_TARGETS = {
+    "dense": 1.10,
+    "lora": 1.10,
+    "nested, Zero outer": 1.05,
+    "nested, LoRA outer": 1.05,
+    _SCALE: 1.10,
+}
 
 
 def _cases(quick: bool):
     """(case, depth) pairs, in the order measured and printed."""
     if quick:
-        return [("dense", 2), ("lora", 2), ("nested, Zero outer", 2), ("nested, LoRA outer", 2)]
+        return [
+            ("dense", 2),
+            ("lora", 2),
+            ("nested, Zero outer", 2),
+            ("nested, LoRA outer", 2),
+            (_SCALE, "tiny"),
+        ]
     return [
         ("dense", 8),
         ("dense", 32),
@@ -48,14 +65,26 @@ def _cases(quick: bool):
         ("lora", 32),
         ("nested, Zero outer", 32),
         ("nested, LoRA outer", 32),
+        (_SCALE, "1b"),
     ]
 
 
-def _factories(case: str, depth: int, width: int):
+def _factories(case: str, depth, width: int):
     """`(make_baseline, make_quaxlike)`: each call builds a fresh zero-argument
     callable that traces the case once."""
     import jax
 
+    if case == _SCALE:
+        import optax
+        import scale
+        from _decoder import SHAPES
+
+        optimiser, shape = optax.adam(1e-4), SHAPES[depth]
+        memory = scale.chunks_for(shape)  # scale.py's default chunks
+        trace_hand, _ = scale.tracer(shape, scale.BASELINE, optimiser, memory)
+        trace_lora, _ = scale.tracer(shape, scale.LORA, optimiser, memory)
+        # Each call of `trace_*` traces a new `jax.jit` of a new step function.
+        return (lambda: trace_hand), (lambda: trace_lora)
     if case in ("dense", "lora"):
         import trace_time
 
@@ -133,7 +162,8 @@ def main(argv=None):
         "instructions per trace (millions), counted by valgrind --tool=callgrind; "
         f"{samples} sample(s) per cell, each a freshly built function; width {width}",
         "baseline: plain JAX for dense and lora (as in trace_time.py), "
-        "one quaxify for nested (as in nested.py)",
+        "one quaxify for nested (as in nested.py), the hand-written LoRA for the "
+        "LoRA step (as in scale.py)",
     ]
     if missing:
         h.print_header("instructions: trace cost counted, not timed", args, notes)

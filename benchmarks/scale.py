@@ -352,16 +352,20 @@ def live_at_peak(directory: str, count: int = 24) -> list[tuple[int, str]]:
 WHOLE = "QLoRA 4 bits, unchunked model"
 
 
-def chunks_for(shape: Shape, args) -> dict[str, int]:
-    """The chunk sizes for `shape`: the command line's, or an eighth, a quarter and
-    an eighth of the tiny model's sequence."""
+# Positions per chunk of attention (queries), feed-forward and cross-entropy,
+# unless the command line says otherwise.
+DEFAULT_CHUNKS = dict(attention_chunk=256, mlp_chunk=512, loss_chunk=256)
+
+
+def chunks_for(shape: Shape, args=None) -> dict[str, int]:
+    """The chunk sizes for `shape`: the command line's (`args`; without it, the
+    defaults), or an eighth, a quarter and an eighth of the tiny model's
+    sequence."""
     if shape.name == "tiny":
         return dict(
             attention_chunk=shape.seq // 8, mlp_chunk=shape.seq // 4, loss_chunk=shape.seq // 8
         )
-    return dict(
-        attention_chunk=args.attention_chunk, mlp_chunk=args.mlp_chunk, loss_chunk=args.loss_chunk
-    )
+    return {name: getattr(args, name, default) for name, default in DEFAULT_CHUNKS.items()}
 
 
 def same_results(memory: dict[str, int]) -> bool:
@@ -406,9 +410,9 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", choices=("8b", "1b"), default=("8b", "1b"))
     rows = (*VARIANTS, WHOLE)
     parser.add_argument("--only", nargs="+", choices=rows, help="these rows only")
-    parser.add_argument("--attention-chunk", type=int, default=256, help="queries per step")
-    parser.add_argument("--mlp-chunk", type=int, default=512, help="positions per step")
-    parser.add_argument("--loss-chunk", type=int, default=256, help="positions per step")
+    for name, what in (("attention", "queries"), ("mlp", "positions"), ("loss", "positions")):
+        default = DEFAULT_CHUNKS[f"{name}_chunk"]
+        parser.add_argument(f"--{name}-chunk", type=int, default=default, help=f"{what} per step")
     parser.add_argument("--dump", help="a folder for XLA's dump of --dump-row's program")
     parser.add_argument("--dump-row", default="QLoRA 4 bits", choices=rows)
     parser.add_argument(

@@ -101,12 +101,13 @@ def test_scale_quick():
 def test_instructions_quick():
     out = _run_quick("instructions")
     _assert_tables(out, ("### Instructions per trace",))
-    rows = out.split("### Instructions per trace", 1)[1].strip().splitlines()[2:6]
+    rows = out.split("### Instructions per trace", 1)[1].strip().splitlines()[2:7]
     assert [row.split("|")[1].strip() for row in rows] == [
         "dense",
         "lora",
         "nested, Zero outer",
         "nested, LoRA outer",
+        "LoRA step (scale.py)",
     ]
     for row in rows:  # every count is a positive number of millions
         baseline, quaxlike = (
