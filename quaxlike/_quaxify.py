@@ -131,7 +131,7 @@ def _call_in_trace(trace: QuaxTrace, leaves, treedef, static, selected):
     fn, args, kwargs = dynamic if static is None else eqx.combine(dynamic, static, is_leaf=is_value)
     out = fn(*args, **kwargs)
     if type(out) in _LEAF_TYPES:
-        return trace.unwrap(out)  # one tracer or array: what flattening finds
+        return trace.unwrap(out)  # a single leaf: what flattening finds
     # Flatten fully (into Values too) so that a Value built from this trace's
     # tracers comes back as a Value holding Values, not holding tracers.
     out_leaves, out_treedef = jtu.tree_flatten(out)
@@ -181,14 +181,13 @@ def _run_in_new_trace(
 
 def _call(fn, filter_spec, args, kwargs):
     selected = None
-    if filter_spec is True and not kwargs and type(fn) in _FUNCTION_TYPES:
-        # A plain function of Values and arrays (every one a leaf): the leaves
-        # and structure flattening would find, without flattening.
-        leaves, treedef = _flat_call(fn, args)
-        static, lifting = None, leaves is not None and any(map(is_value, args))
-        if leaves is None:  # an argument that may hold Values of its own
-            leaves, treedef = jtu.tree_flatten((fn, args, kwargs), is_leaf=is_value)
-            lifting = any(map(is_value, leaves))
+    plain_call = filter_spec is True and not kwargs and type(fn) in _FUNCTION_TYPES
+    flat = _flat_call(fn, args) if plain_call else None
+    if flat is not None:
+        # A plain function of Values, arrays and numbers (every one a leaf):
+        # the leaves and structure flattening would find, without flattening.
+        (leaves, treedef), static = flat, None
+        lifting = any(map(is_value, args))
     elif filter_spec is not True and callable(filter_spec) and _is_single_leaf(filter_spec):
         # One predicate for every leaf: what `eqx.partition` and `eqx.combine`
         # would do with it, in one pass over the leaves instead of four (only
@@ -215,20 +214,21 @@ def _call(fn, filter_spec, args, kwargs):
 
 # Types that are always leaves of a PyTree, and functions (leaves too) that
 # hold nothing to lift.
-_LEAF_TYPES = frozenset({QuaxTracer, *([jc.ArrayImpl] if jc.ArrayImpl else []), np.ndarray})
+_LEAF_TYPES = frozenset(
+    {QuaxTracer, *([jc.ArrayImpl] if jc.ArrayImpl else []), np.ndarray, bool, int, float, complex}
+)
 _FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType)
-_SCALAR_TYPES = frozenset({bool, int, float, complex})
 # `(fn, args, {})`'s structure when every one is a leaf, by the number of args.
 _flat_structures: dict[int, Any] = {}
 
 
-def _flat_call(fn, args) -> tuple[list | None, Any]:
+def _flat_call(fn, args) -> tuple[list, Any] | None:
     """`(leaves, treedef)` of `(fn, args, {})` flattened with Values as leaves,
     where `fn` and every argument are leaves: Values, arrays or numbers; else
-    `(None, None)`."""
+    `None` (the caller flattens)."""
     for a in args:
-        if not (is_value(a) or type(a) in _LEAF_TYPES or type(a) in _SCALAR_TYPES):
-            return None, None
+        if not (is_value(a) or type(a) in _LEAF_TYPES):
+            return None
     treedef = _flat_structures.get(len(args))
     if treedef is None:
         treedef = _flat_structures[len(args)] = jtu.tree_structure((0, (0,) * len(args), {}))

@@ -335,10 +335,12 @@ def test_the_flat_split_of_a_call_is_what_flattening_finds(args, split):
 
     value = quaxlike.DenseArrayValue(jnp.ones(3))
     for call_args in (args, (value, *args), (*args, value)):
-        leaves, treedef = _flat_call(fn, call_args)
+        flat = _flat_call(fn, call_args)
         if not split:
-            assert (leaves, treedef) == (None, None)
+            assert flat is None
             continue
+        assert flat is not None
+        leaves, treedef = flat
         expected_leaves, expected_treedef = jax.tree_util.tree_flatten(
             (fn, call_args, {}), is_leaf=is_value
         )
