@@ -1,19 +1,13 @@
 """The rule registry: one plum dispatcher per primitive, and rule lookup.
 
-Lookup is done here rather than by calling the plum `Function`, for two reasons:
-plum caches nothing when a signature uses `ArrayLike` (an "unfaithful" type, see
-quaxlike/internal/README.md, "JAX facts"), and rules may return `NotImplemented` to hand over to the next
-applicable rule, which plum has no notion of. So we ask plum's `Signature`s which
-methods match and which is more specific, and cache the result as a `Plan` per
-(primitive, argument kinds) until the next `register`.
-
-A `Plan` is everything the trace (and every shortcut beside it) needs to know
-about one primitive applied to one combination of argument kinds: the matching
-rules in order, the `default` that ends the chain, whether the chosen rule only
-runs a sub-program (and the shortcut it owns), and whether dispatch
-would do nothing but materialise. Nothing outside this module predicts what
-dispatch will do; it reads the plan. Caches elsewhere that depend on the rules
-subscribe with `on_rules_changed`.
+Lookup asks plum's `Signature`s which rules match and which is more specific,
+rather than calling the plum `Function`: plum caches nothing when a signature
+uses `ArrayLike` (an "unfaithful" type: quaxlike/internal/README.md, "JAX
+facts"), and has no notion of a rule returning `NotImplemented` to hand over.
+The answer is cached as a `Plan` per (primitive, argument kinds) until the next
+`register`: everything the trace and its shortcuts need to know, so nothing
+outside this module predicts what dispatch will do. Caches elsewhere that
+depend on the rules subscribe with `on_rules_changed`.
 """
 
 from collections.abc import Callable, Sequence
@@ -226,37 +220,33 @@ def _best(methods: list[plum.Method], values: tuple, primitive: jc.Primitive):
     return ambiguous_rule_error(primitive, values, candidates)
 
 
-def _chain(methods: list[plum.Method], values: tuple, primitive: jc.Primitive) -> list:
-    """Matching methods, best first; an ambiguity error ends the chain."""
+def _chain(methods: list[plum.Method], values: tuple, primitive: jc.Primitive, swapped: bool):
+    """`(method, swapped)` for each of `methods` that matches `values`, best
+    first; an ambiguity error ends the chain."""
     remaining = [m for m in methods if m.signature.match(values)]
     chain: list = []
     while remaining:
         best = _best(remaining, values, primitive)
-        chain.append(best)
         if isinstance(best, Exception):
-            break
+            return chain + [best]
+        chain.append((best, swapped))
         remaining.remove(best)
     return chain
 
 
 def _default_owner(cls: type) -> type:
-    for klass in cls.__mro__:
-        if "default" in vars(klass):
-            return klass
-    return Value
+    return next((klass for klass in cls.__mro__ if "default" in vars(klass)), Value)
 
 
 def sub_program_rule(
     jaxpr_of: Callable[[dict], tuple], shortcut: Callable[..., Any] | None = None
 ) -> Callable[[_Rule], _Rule]:
     """Mark a rule as one that runs a sub-program held in its primitive's params
-    (`jit`, `closed_call`): `jaxpr_of(params)` gives `(closed_jaxpr, inlines)`,
-    the sub-program and whether the rule runs it in place (as JAX inlines
-    `jax.numpy`'s `jit`s), or `(None, False)` when the rule does something else
-    for these params. `shortcut(trace, primitive, plan, tracers, values, kinds,
-    params)`, if given, is the rule's own faster way to the same result, given
-    the trace that meets the call, or `NotImplemented` (see
-    `_higher_order/_jit.py`)."""
+    (`jit`, `closed_call`). `jaxpr_of(params)` gives `(closed_jaxpr, inlines)`
+    (whether the rule runs it in place, as JAX inlines `jax.numpy`'s `jit`s), or
+    `(None, False)` when the rule does something else for these params. The
+    optional `shortcut(trace, primitive, plan, tracers, values, kinds, params)`
+    is the rule's own faster way to its result, or `NotImplemented`."""
 
     def mark(rule: _Rule) -> _Rule:
         rule.__quaxlike_sub_program__ = (jaxpr_of, shortcut)  # pyright: ignore[reportFunctionMemberAccess]
@@ -273,31 +263,31 @@ class Plan:
         an exception in it is raised when reached (an ambiguity).
     - `default`: what runs when every rule in the chain hands over: a type's own
         `default`, `Value.default` (materialise and bind), or a function raising
-        `ConflictingDefaultsError`.
-    - `sub_program`, `shortcut`: the chosen rule's `jaxpr_of` and `shortcut`
-        (see `sub_program_rule`), or `None`.
+        `ConflictingDefaultsError`; `default_name` says which, for `explain`.
+    - `rule`: the implementation of the rule tried first, or `None`.
+    - `sub_program`, `shortcut`: that rule's `jaxpr_of` and `shortcut` (see
+        `sub_program_rule`), or `None`.
     - `only_materialises`: no rule matches and the default is `Value.default`.
     """
 
-    __slots__ = ("chain", "default", "sub_program", "shortcut", "only_materialises")
+    __slots__ = (
+        "chain",
+        "rule",
+        "default",
+        "default_name",
+        "sub_program",
+        "shortcut",
+        "only_materialises",
+    )
 
-    def __init__(self, chain: list, default: Callable):
+    def __init__(self, chain: list, default: Callable, default_name: str):
         self.chain = tuple(chain)
-        self.default = default
+        self.default, self.default_name = default, default_name
         first = chain[0] if chain else None
-        marked = (
-            getattr(first[0].implementation, "__quaxlike_sub_program__", None)
-            if isinstance(first, tuple)
-            else None
-        )
+        self.rule = first[0].implementation if isinstance(first, tuple) else None
+        marked = getattr(self.rule, "__quaxlike_sub_program__", None)
         self.sub_program, self.shortcut = marked or (None, None)
         self.only_materialises = not chain and default is Value.default
-
-    @property
-    def rule(self) -> Callable | None:
-        """The implementation of the rule tried first, or `None`."""
-        first = self.chain[0] if self.chain else None
-        return first[0].implementation if isinstance(first, tuple) else None
 
     def apply(
         self, primitive: jc.Primitive, values: tuple, params: dict, *, name_scopes: bool = False
@@ -327,15 +317,12 @@ class Plan:
 def _make_plan(primitive: jc.Primitive, values: tuple) -> Plan:
     function = _dispatchers.get(primitive)
     methods = [] if function is None else list(function.methods)
-    chain: list = [
-        (m, False) if not isinstance(m, Exception) else m
-        for m in _chain(methods, values, primitive)
-    ]
+    chain = _chain(methods, values, primitive, swapped=False)
     if len(values) == 2 and primitive.name in _COMMUTATIVE_NAMES:
-        seen = {id(m) for m, _ in (c for c in chain if not isinstance(c, Exception))}
-        swapped = _chain([m for m in methods if id(m) not in seen], values[::-1], primitive)
         if not any(isinstance(c, Exception) for c in chain):
-            chain += [(m, True) if not isinstance(m, Exception) else m for m in swapped]
+            seen = {id(m) for m, _ in chain}
+            unseen = [m for m in methods if id(m) not in seen]
+            chain += _chain(unseen, values[::-1], primitive, swapped=True)
 
     owners = {}
     for value in values:
@@ -343,23 +330,24 @@ def _make_plan(primitive: jc.Primitive, values: tuple) -> Plan:
             owner = _default_owner(type(value))
             if owner is not Value:
                 owners.setdefault(vars(owner)["default"], owner)
-    if len(owners) > 1:
-        error = ConflictingDefaultsError(
-            messages.CONFLICTING_DEFAULTS.format(
-                primitive=primitive.name,
-                types=value_type_names(values),
-                owners=", ".join(type_labels(owners.values())),
-            )
-        )
-
-        def default(primitive, values, params) -> Any:
-            raise error
-    elif len(owners) == 1:
+    if not owners:
+        return Plan(chain, Value.default, "default")
+    if len(owners) == 1:
         (owner,) = owners.values()
-        default = owner.default
-    else:
-        default = Value.default
-    return Plan(chain, default)
+        qualname = getattr(owner.default, "__qualname__", "a Value type")
+        return Plan(chain, owner.default, "default of " + qualname.rsplit(".", 1)[0])
+    error = ConflictingDefaultsError(
+        messages.CONFLICTING_DEFAULTS.format(
+            primitive=primitive.name,
+            types=value_type_names(values),
+            owners=", ".join(type_labels(owners.values())),
+        )
+    )
+
+    def conflicting_defaults(primitive, values, params) -> Any:
+        raise error
+
+    return Plan(chain, conflicting_defaults, "conflicting defaults")
 
 
 def plan_for(primitive: jc.Primitive, values: Sequence[Any], kinds: tuple | None = None) -> Plan:
@@ -375,12 +363,3 @@ def plan_for(primitive: jc.Primitive, values: Sequence[Any], kinds: tuple | None
 
 def _scope_name(fn) -> str:
     return "quaxlike:" + rule_name(fn, qualified=False).replace("<locals>.", "")
-
-
-def default_description(plan: Plan) -> str:
-    """Which `default` ends `plan`: `Value.default` (which materialises) or a
-    type's own override."""
-    default = plan.default
-    if default is Value.default:
-        return "default"
-    return "default of " + getattr(default, "__qualname__", "a Value type").rsplit(".", 1)[0]

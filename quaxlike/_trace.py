@@ -31,7 +31,7 @@ import numpy as np
 
 from . import _concrete, _instrument, _jax_compat as jc
 from ._diagnostics import messages, QuaxlikeError, rule_location, rule_name
-from ._rules import default_description, dispatch_kind, Plan, plan_for
+from ._rules import dispatch_kind, Plan, plan_for
 from ._staging import shortcuts_apply
 from ._sub_programs import run_compiled
 from ._values import checked_aval, describe, is_value, Value
@@ -164,7 +164,7 @@ class QuaxTrace(jc.Trace):
                 record.rule = rule_name(rule)
                 record.location = rule_location(rule)
             else:
-                record.default_owner = default_description(plan)
+                record.default_owner = plan.default_name
         if self.checking and wrap is None:
             self._check(primitive, tracers, params, outputs, rule)
         return outputs
@@ -197,20 +197,19 @@ class QuaxTrace(jc.Trace):
             ) from None
 
     def _wrap_outputs(self, out, primitive, rule):
-        if primitive.multiple_results:
-            if not isinstance(out, (list, tuple)):
-                raise QuaxlikeError(
-                    messages.RULE_RETURNED_SINGLE.format(
-                        rule=rule_name(rule), primitive=primitive.name, got=type(out).__qualname__
-                    )
-                )
-            return [self._wrap_output(x, primitive, rule) for x in out]
-        if isinstance(out, (list, tuple)):
-            raise QuaxlikeError(
-                messages.RULE_RETURNED_SEQUENCE.format(
-                    rule=rule_name(rule), primitive=primitive.name, got=type(out).__qualname__
-                )
+        is_sequence = isinstance(out, (list, tuple))
+        if is_sequence != bool(primitive.multiple_results):
+            message = (
+                messages.RULE_RETURNED_SINGLE
+                if primitive.multiple_results
+                else messages.RULE_RETURNED_SEQUENCE
             )
+            got = type(out).__qualname__
+            raise QuaxlikeError(
+                message.format(rule=rule_name(rule), primitive=primitive.name, got=got)
+            )
+        if is_sequence:
+            return [self._wrap_output(x, primitive, rule) for x in out]
         return self._wrap_output(out, primitive, rule)
 
     # --- the hooks JAX calls -----------------------------------------------------
@@ -280,6 +279,4 @@ class QuaxTrace(jc.Trace):
         return self._dispatch(primitive, plan, args, values, params, wrap=wrap)
 
     def stage_value(self, val):
-        if self.owns(val):
-            return val
-        return self.parent_trace.stage_value(val)
+        return val if self.owns(val) else self.parent_trace.stage_value(val)
