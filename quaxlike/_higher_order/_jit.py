@@ -24,6 +24,8 @@ What happens to such a call, in the order it runs:
    compiled once per argument types and reused.
 """
 
+import functools
+
 from .. import _jax_compat as jc
 from .._quaxify import lifted_call
 from .._rules import register, sub_program_rule
@@ -47,40 +49,25 @@ def shortcut(trace, primitive, plan, tracers, values, kinds, params):
     unwrapped, of `dispatch_kind`s `kinds`) by a shortcut, or `NotImplemented`
     to let the rule run. Only called where `shortcuts_apply`."""
     closed_jaxpr, inlines = plan.sub_program(params)
-    if closed_jaxpr is None:
-        return NotImplemented
-    if trace.eager:
-        if _eager_verdict(closed_jaxpr, values, kinds, trace.parent_trace):
-            out = materialise_at_call(trace, primitive, tracers, values, params)
-            if out is not NotImplemented:
-                return out
-        if inlines and not compiles_eagerly(values):
-            return inline(trace, closed_jaxpr, tracers)
-        return NotImplemented
-    if not inlines:
+    if closed_jaxpr is None or not (inlines or trace.eager):
         return NotImplemented
     known = verdicts_of(closed_jaxpr)
     key = (type(trace.parent_trace), kinds)
     verdict = known.get(key)
-    if verdict is None:  # the first call: inline it and observe
-        outputs, known[key] = inline(trace, closed_jaxpr, tracers, judge=True)
-        return outputs
+    if verdict is None:
+        if not trace.eager:  # the first call: inline it and observe
+            outputs, known[key] = inline(trace, closed_jaxpr, tracers, judge=True)
+            return outputs
+        # Eagerly, worked out without running anything, so that no eager call
+        # is ever run op by op once and compiled the next time.
+        verdict = known[key] = only_materialises(closed_jaxpr, values, trace.parent_trace)
     if verdict:
         out = materialise_at_call(trace, primitive, tracers, values, params)
         if out is not NotImplemented:
             return out
-    return inline(trace, closed_jaxpr, tracers)
-
-
-def _eager_verdict(closed_jaxpr, values, kinds, eager_trace) -> bool:
-    # Worked out without running anything, so that no eager call is ever run
-    # op by op once and compiled the next time.
-    known = verdicts_of(closed_jaxpr)
-    key = ("eager", kinds)
-    verdict = known.get(key)
-    if verdict is None:
-        verdict = known[key] = only_materialises(closed_jaxpr, values, eager_trace)
-    return verdict
+    if inlines and not (trace.eager and compiles_eagerly(values)):
+        return inline(trace, closed_jaxpr, tracers)
+    return NotImplemented
 
 
 # --- the rule ------------------------------------------------------------------
@@ -91,13 +78,6 @@ def _eager_verdict(closed_jaxpr, values, kinds, eager_trace) -> bool:
 # instead of tracing the rules again. JAX hands out the same jaxpr object for
 # the same function and argument types.
 _bodies = CompiledCalls()
-
-
-def _body_of(jaxpr):
-    def body(*args):
-        return lifted_call(jc.jaxpr_as_fun(jaxpr), *args)
-
-    return body
 
 
 def _jit_sub_program(params) -> tuple:
@@ -116,7 +96,8 @@ def jit_p_values(*args: AnyValue, jaxpr, name: str = "jit", **params):
     ):
         return lifted_call(jc.jaxpr_as_fun(jaxpr), *args)
     split = split_arrays(list(args))
-    make = lambda: StagedCall(_body_of(jaxpr), name, split)  # noqa: E731
+    body_of = functools.partial(lifted_call, jc.jaxpr_as_fun(jaxpr))
+    make = lambda: StagedCall(body_of, name, split)  # noqa: E731
     # A cached compiled body may stand in for tracing the rules again.
     body = _bodies.get((jaxpr, name, *split.key()), make) if shortcuts_apply() else None
     return (body or make())(split.arrays)
