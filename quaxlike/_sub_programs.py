@@ -35,30 +35,23 @@ from ._rules import dispatch_kind, on_rules_changed, plan_for
 from ._values import is_value, materialise_value
 
 
-class _PerSubProgram:
+class _PerSubProgram(dict):
     """What is known about each sub-program (a `ClosedJaxpr`), kept as long as
-    the jaxpr lives. Keyed by id, with a weak reference that drops the entry
+    the jaxpr lives: keyed by id, with a weak reference that drops the entry
     when the jaxpr goes (not a WeakKeyDictionary, whose lookups are Python
     code: this is read on every call)."""
 
-    def __init__(self):
-        self._entries: dict[int, tuple[weakref.ref, dict]] = {}
-
     def of(self, closed_jaxpr) -> dict:
         """The dict of what is known about `closed_jaxpr`, empty at first."""
-        entry = self._entries.get(id(closed_jaxpr))
-        if entry is not None and entry[0]() is closed_jaxpr:
-            return entry[1]
-        key, entries = id(closed_jaxpr), self._entries
-        forget = lambda _: entries.pop(key, None)  # noqa: E731
-        entry = entries[key] = (weakref.ref(closed_jaxpr, forget), {})
+        key = id(closed_jaxpr)
+        entry = self.get(key)
+        if entry is None or entry[0]() is not closed_jaxpr:
+            forget = lambda _: self.pop(key, None)  # noqa: E731
+            entry = self[key] = (weakref.ref(closed_jaxpr, forget), {})
         return entry[1]
 
-    def clear(self) -> None:
-        self._entries.clear()
 
-
-# {(parent trace type or "eager", argument kinds): verdict} per sub-program.
+# {(parent trace type, argument kinds): verdict} per sub-program.
 _verdicts = _PerSubProgram()
 on_rules_changed(_verdicts.clear)
 # {(name, keep_unused): `jax.jit` of the sub-program's function, "last": (the
@@ -69,17 +62,16 @@ _compiled_calls = _PerSubProgram()
 
 def verdicts_of(closed_jaxpr) -> dict:
     """The verdicts known for `closed_jaxpr`, by whatever key the caller uses
-    (the parent trace's type, or "eager", with the argument kinds)."""
+    (the parent trace's type and the argument kinds)."""
     return _verdicts.of(closed_jaxpr)
 
 
 def only_materialises(closed_jaxpr, values, eager_trace) -> bool:
     """Without running anything: whether every equation of `closed_jaxpr` that
-    reads a Value among `values` would only materialise it when run eagerly,
-    and every Value is read. Eagerly, every array an equation produces is a
-    concrete array, so one concrete array stands for all of them when asking
-    for a plan (matching depends on the kinds of the arguments only).
-    `eager_trace` is the eager trace the call would run under."""
+    reads a Value among `values` would only materialise it when run under
+    `eager_trace`, and every Value is read. Eagerly every array an equation
+    produces is concrete, so one concrete array stands for all of them when
+    asking for a plan (which depends on the kinds of the arguments only)."""
     jaxpr = closed_jaxpr.jaxpr
     concrete = _a_concrete_array(eager_trace)
     env: dict = dict(zip(jaxpr.constvars, closed_jaxpr.consts))
@@ -128,12 +120,11 @@ def _a_concrete_array(eager_trace):
 
 
 def materialise_at_call(trace, primitive, tracers, values, params):
-    """`Value.default` applied to the call (under the parent trace, as rules
-    run), each Value checked against its tracer's aval. Only reached under the
-    "allow" policy with nothing observing the trace, so there is nothing to
-    warn about or record: the Values are materialised plainly. If a type
-    refuses to materialise, `NotImplemented`: running the sub-program op by
-    op then raises at the operation that needed it, naming that operation."""
+    """`Value.default` applied to the call as a whole, under the parent trace,
+    each Value checked against its tracer's aval. Only reached where
+    `shortcuts_apply` (nothing to warn about or record). `NotImplemented` if a
+    type refuses to materialise: running the sub-program op by op then raises
+    at the operation that needed it, naming it."""
     parent = trace.parent_trace
     arrays = list(tracers)
     with jc.set_current_trace(parent):
@@ -162,12 +153,11 @@ def materialise_at_call(trace, primitive, tracers, values, params):
 
 
 def run_compiled(arrays, params):
-    """Eagerly, `jit_p.bind(*arrays, **params)` on concrete arrays, through a
-    `jax.jit` of the sub-program made once per sub-program and called through
-    JAX's C++ dispatch, as plain JAX calls a `jax.numpy` function: the same
-    program, so bitwise the same results. A call that asks for more than
-    `keep_unused` (`jc.jit_needs_only_keep_unused`), or on tracers, is bound
-    as it is. Called under the eager trace."""
+    """Under the eager trace, `jit_p.bind(*arrays, **params)` through one
+    `jax.jit` per sub-program, called through JAX's C++ dispatch as plain JAX
+    calls a `jax.numpy` function: the same program, so bitwise the same
+    results. A call on tracers, or asking for more than `keep_unused`
+    (`jc.jit_needs_only_keep_unused`), is bound as it is."""
     call = _compiled_call(params)
     if call is not None:
         for a in arrays:
@@ -180,10 +170,9 @@ def run_compiled(arrays, params):
 
 def _compiled_call(params):
     """The `jax.jit` that stands for a `jit` equation with `params`, or `None`
-    where the equation must be bound as it is. What was decided for the last
-    params of each sub-program is reused while the same param objects come
-    back (JAX hands them out again for every call of one jitted function on
-    arguments of one type): the params check then costs nothing."""
+    where it must be bound as it is. The decision for a sub-program's last
+    params is reused while the same param objects come back (as JAX hands them
+    out for every call of one jitted function on arguments of one type)."""
     closed_jaxpr = params["jaxpr"]
     known = _compiled_calls.of(closed_jaxpr)
     options = jc.jit_options(params)
@@ -208,18 +197,15 @@ def _compiled_call(params):
 
 
 def inline(trace, closed_jaxpr, tracers, judge: bool = False):
-    """Evaluate `closed_jaxpr`'s equations in `trace`.
-
-    Leaner than `jax.core.eval_jaxpr`: equations go straight to the trace
-    (their inputs are already canonical JAX values), the equation's context is
-    entered only when it differs from the current one, and the source
-    traceback is the live one (the user's call site, as JAX's own inlining of
-    `jit` records), with the equation's name stack appended.
+    """Evaluate `closed_jaxpr`'s equations in `trace`. Leaner than
+    `jax.core.eval_jaxpr`: equations go straight to the trace (their inputs are
+    already canonical), an equation's context is entered only when it differs
+    from the current one, and the source traceback is the live one (the user's
+    call site, as JAX's own inlining records) with the equation's name stack.
 
     With `judge`, returns `(outputs, verdict)`: whether every equation that read
     a Value of `trace` only materialised it, every such Value was read, and no
-    output is one (see the module docstring).
-    """
+    output is one."""
     jaxpr = closed_jaxpr.jaxpr
     env = dict(zip(jaxpr.constvars, closed_jaxpr.consts))
     env.update(zip(jaxpr.invars, tracers))
