@@ -52,13 +52,8 @@ class SplitTree(NamedTuple):
         checked mode. May hold unhashable leaves: hash it before use. Raises
         `TypeError` or `OverflowError` for an array leaf JAX cannot represent
         (a Python int too large), as `jax.typeof` does."""
-        return (
-            self.treedef,
-            self.positions,
-            self.others,
-            tuple(map(jc.aval_key, self.arrays)),
-            _instrument.checking.get(),
-        )
+        avals = tuple(map(jc.aval_key, self.arrays))
+        return self.treedef, self.positions, self.others, avals, _instrument.checking.get()
 
 
 def split_arrays(tree, is_array: Callable[[Any], bool] = eqx.is_array) -> SplitTree:
@@ -133,14 +128,13 @@ class CompiledCalls:
 
 
 def shortcuts_apply(observing: bool | None = None) -> bool:
-    """Whether a shortcut may stand in for running the rules one by one (a
-    cached compiled call, inlining a sub-program, materialising at a call): the
-    one predicate every shortcut reads. Not while `explain` records, since
-    every rule must run to be recorded (`observing`: whether a recorder was on
-    when the trace asking was created; by default, whether one is on now), and
-    not under a "warn" or "error" `materialise_policy`, which must see every
-    fallback where it happens (read at each call, so that a policy entered
-    inside a quaxified function applies from there on)."""
+    """The one predicate every shortcut reads: whether a shortcut (a cached
+    compiled call, inlining, materialising at a call) may stand in for running
+    the rules one by one. Not while `explain` records every rule (`observing`:
+    whether a recorder was on when the asking trace was made; by default,
+    whether one is on now), nor under a "warn" or "error" `materialise_policy`
+    (read at each call, so a policy entered inside a quaxified function
+    applies from there on)."""
     if observing is None:
         observing = _instrument.recorder.get() is not None
     return not observing and _policy.current_mode() == "allow"

@@ -1,11 +1,10 @@
 """Arithmetic operators on Values in eager code, without JAX's Python `jit` path.
 
 Eagerly, `value + other` calls `jax.numpy`'s jitted `add` with a tracer among
-its arguments, so JAX takes the Python path of `jax.jit` (flattening, abstract
-evaluation, binding `jit_p`) before the trace sees the call. Where every
-operation of that call on the Values would only materialise them, the `jit`
-rule's shortcut then binds the call on the dense arrays (see `_jit`). For the
-arithmetic operators, `QuaxTracer`'s operator methods take that step directly:
+its arguments, so JAX takes the Python path of `jax.jit` before the trace sees
+the call; where the call only materialises the Values, the `jit` rule's
+shortcut then binds it on the dense arrays (see `_jit`). For the arithmetic
+operators, `QuaxTracer`'s operator methods take that step directly:
 materialise, and apply the operator to the dense arrays through JAX's own fast
 path (benchmarks/README.md, item 13).
 
