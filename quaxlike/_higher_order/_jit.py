@@ -96,8 +96,10 @@ def jit_p_values(*args: AnyValue, jaxpr, name: str = "jit", **params):
     ):
         return lifted_call(jc.jaxpr_as_fun(jaxpr), *args)
     split = split_arrays(list(args))
-    body_of = functools.partial(lifted_call, jc.jaxpr_as_fun(jaxpr))
-    make = lambda: StagedCall(body_of, name, split)  # noqa: E731
+
+    def make():
+        return StagedCall(functools.partial(lifted_call, jc.jaxpr_as_fun(jaxpr)), name, split)
+
     # A cached compiled body may stand in for tracing the rules again.
     body = _bodies.get((jaxpr, name, *split.key()), make) if shortcuts_apply() else None
     return (body or make())(split.arrays)
