@@ -19,7 +19,7 @@ the same result for less work:
   through one compiled call.
 
 Verdicts depend on the sub-program, the registered rules, the kinds of the
-arguments and of the parent trace: `verdicts_of` keeps them per sub-program
+arguments and of the parent trace: `verdicts` keeps them per sub-program
 until a rule is registered. (What each shortcut saves: benchmarks/README.md,
 "Where the time goes", items 2, 5, 6, 9, 16-18.)
 """
@@ -51,19 +51,14 @@ class _PerSubProgram(dict):
         return entry[1]
 
 
-# {(parent trace type, argument kinds): verdict} per sub-program.
-_verdicts = _PerSubProgram()
-on_rules_changed(_verdicts.clear)
+# {(parent trace type, argument kinds): verdict} per sub-program, until a rule
+# is registered: `verdicts.of(closed_jaxpr)`.
+verdicts = _PerSubProgram()
+on_rules_changed(verdicts.clear)
 # {(name, keep_unused): `jax.jit` of the sub-program's function, "last": (the
 # last params but the jaxpr, the `jax.jit` for them or None)} per sub-program:
 # runs no rule, so it stays when rules change.
 _compiled_calls = _PerSubProgram()
-
-
-def verdicts_of(closed_jaxpr) -> dict:
-    """The verdicts known for `closed_jaxpr`, by whatever key the caller uses
-    (the parent trace's type and the argument kinds)."""
-    return _verdicts.of(closed_jaxpr)
 
 
 def only_materialises(closed_jaxpr, values, eager_trace) -> bool:

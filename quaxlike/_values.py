@@ -379,7 +379,8 @@ def materialise_value(
 def _materialise_as(value: Value, aval: jc.AbstractValue, primitive, refused=None) -> Any:
     """`materialise_value` once `aval` is known. `refused(error)` makes the error
     to raise when a `materialise()` raises (its own error, unchanged, if `None`)."""
-    out = _call_materialise(value, refused)
+    # Without a `refused`, `materialise()`'s own error is raised as it is.
+    out = value.materialise() if refused is None else _call_materialise(value, refused)
     if getattr(out, "aval", None) is aval:
         # The very abstract value promised (a field handed back as it is).
         return out

@@ -30,7 +30,7 @@ from .. import _jax_compat as jc
 from .._quaxify import lifted_call
 from .._rules import register, sub_program_rule
 from .._staging import CompiledCalls, shortcuts_apply, split_arrays, StagedCall
-from .._sub_programs import inline, materialise_at_call, only_materialises, verdicts_of
+from .._sub_programs import inline, materialise_at_call, only_materialises, verdicts
 from .._values import is_value
 from ._common import AnyValue
 
@@ -51,7 +51,7 @@ def shortcut(trace, primitive, plan, tracers, values, kinds, params):
     closed_jaxpr, inlines = plan.sub_program(params)
     if closed_jaxpr is None or not (inlines or trace.eager):
         return NotImplemented
-    known = verdicts_of(closed_jaxpr)
+    known = verdicts.of(closed_jaxpr)
     key = (type(trace.parent_trace), kinds)
     verdict = known.get(key)
     if verdict is None:
