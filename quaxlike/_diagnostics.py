@@ -393,6 +393,35 @@ class messages:
         "carry as a {type_name}, not as a plain array), or register a rule for "
         '`{primitive}` with this type: `@quaxlike.register("{primitive}")`.'
     )
+    DERIVATIVE_NEEDED_DENSE = (
+        "quaxlike's rule for `{primitive}` needed {what} of the array a {type_name} "
+        "stands for: a custom derivative rule speaks of that array, and JAX "
+        "differentiates the {type_name}'s leaves. It is the derivative of "
+        "`{refusing}.dense_for_derivatives()` (by default `materialise()`), which "
+        "refused: {error}\n"
+        "Ways out: if `materialise()` is linear in the {type_name}'s array leaves, set "
+        "`structured_tangents = True` on it so rules receive tangent {type_name}s; "
+        "override `dense_for_derivatives()` to build the array for derivatives (it is "
+        "differentiated inside `jax.jit`, which never keeps it); or keep the "
+        "{type_name} out of the derivative (`lax.stop_gradient`, or leave it out of "
+        "what `jax.grad` differentiates)."
+    )
+    CUSTOM_JVP_ZEROS_CHANGED = (
+        "A `custom_jvp` rule that takes symbolic zeros was traced with a zero tangent "
+        "for an input that is now perturbed. JAX's rule for one binding can be traced "
+        "only once, so quaxlike cannot call it again with the new tangents. Apply the "
+        "`custom_jvp` function afresh for each differentiation (do not reuse a "
+        "linearised function across different inputs), or report this case."
+    )
+    CUSTOM_VJP_OUTPUT_COTANGENT = (
+        "A `custom_vjp` function applied to Values returned a {type_name}, and a "
+        "cotangent reached that output's leaves. The backward pass takes the "
+        "cotangent of the array the output stands for, which cannot be rebuilt from "
+        "the leaves' cotangents of a {type_name}: its array is not linear in its "
+        "leaves (`structured_tangents = False`). Ways out: return the array it stands "
+        "for from the function (materialise it there), or register a "
+        "`custom_vjp_call` rule for {type_name}."
+    )
     MATERIALISE_LOOP = (
         "`{type_name}.materialise()` kept returning Values more than 100 times; it must "
         "eventually return an ordinary array."

@@ -30,8 +30,10 @@ class Value(eqx.Module):
     true when `materialise()` is linear in the leaves (symbolic zeros, units,
     sparse data, named axes). `custom_jvp` rules then receive tangent Values of
     this type. Set it to `False` for types like LoRA (`W + A @ B` is bilinear in
-    `A`, `B`); their `custom_jvp` functions are differentiated through the primal
-    computation instead.
+    `A`, `B`); a `custom_jvp` rule then receives the tangent of the array the
+    Value stands for as an ordinary array, the derivative of
+    `dense_for_derivatives()` (see there). Either way the rule runs, as it would
+    on the dense arrays.
 
     The class attribute `warn_on_materialise` (default `True`) says whether
     `quaxlike.materialise_policy("warn")`/`("error")` apply to this type; set it
@@ -183,6 +185,30 @@ class Value(eqx.Module):
             for v in values
         ]
         return primitive.bind(*arrays, **params)
+
+    def dense_for_derivatives(self) -> Any:
+        """The array this Value stands for, as a differentiable function of its
+        leaves, for derivatives only.
+
+        quaxlike differentiates it where a derivative must pass between the
+        Value's leaves and the array it stands for: the tangent handed to a
+        `custom_jvp` rule for a type without `structured_tangents`, and the
+        pull-back of a dense cotangent that a `custom_vjp` backward pass gives a
+        Value. The derivative is computed inside `jax.jit`, where XLA drops the
+        dense array itself: only its tangent or the leaves' cotangents are kept.
+
+        The base implementation calls `materialise()`. A type whose
+        `materialise()` refuses to build the dense array (to save memory), while
+        its derivatives are well defined, overrides this to build it anyway: LoRA
+        does, so that a cotangent pulls back to `A` and `B` as `ct @ B.T` and
+        `A.T @ ct` without `W + A @ B` ever being kept. A type that cannot carry a
+        derivative should raise here, naming itself.
+
+        **Returns:**
+
+        An array of this Value's shape and dtype, computed from its leaves.
+        """
+        return self.materialise()
 
 
 class ArrayValue(Value):

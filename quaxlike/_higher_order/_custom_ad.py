@@ -5,18 +5,24 @@ jaxprs; `QuaxTrace`'s hooks dispatch them on `custom_jvp_call_p` and
 `custom_vjp_call_p` with those functions as params, so a type may register its
 own rule. The built-in rules, registered here for every type, build an
 equivalent custom-derivative function over the Values' array leaves and bind it
-at the parent trace, so the user's derivative rule keeps working under any
-outer transformation:
+at the parent trace, so the user's derivative rule runs whenever JAX would run
+it, under any outer transformation:
 
 - the primal runs the original function under `quaxify`;
-- for `custom_jvp`, tangents of a Value's leaves are treated as a Value of the same
-  type (correct when `materialise()` is linear in the leaves, which is what
-  `Value.structured_tangents` declares); otherwise, or when the rule's tangent
-  output does not fit the primal output, we differentiate the primal itself;
-- for `custom_vjp`, the user's `bwd` runs under `quaxify`; a dense cotangent for a
-  Value input is pulled back to its leaves through `materialise()`, which is
-  correct for every type.
+- for `custom_jvp`, the rule runs under `quaxify` on the Values and their
+  tangents: for a type with `Value.structured_tangents` (`materialise()` linear
+  in the leaves) a tangent Value of the same type, for any other type the dense
+  tangent of the array it stands for, and symbolic zeros where nothing is
+  perturbed. A rule's tangent output that a Value output's leaves cannot carry
+  makes that output dense (or raises, naming the type): never a different
+  derivative;
+- for `custom_vjp`, the user's `bwd` runs under `quaxify`; a cotangent for a
+  Value input is pulled back to its leaves by the transpose of the derivative
+  of `Value.dense_for_derivatives()` (`_leaf_derivatives.py`), which is correct
+  for every type and never keeps the dense array.
 """
+
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -25,10 +31,12 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .. import _jax_compat as jc
+from .._diagnostics import messages, QuaxlikeError
 from .._quaxify import lifted_call
 from .._rules import register, sub_program_rule
 from .._values import checked_aval, materialise_value, Value
 from ._common import AnyValue
+from ._leaf_derivatives import dense_array, dense_tangent, leaf_cotangents
 
 
 def _is_inexact(x) -> bool:
@@ -49,6 +57,7 @@ class _Flattened:
             self.spans.append((start, start + n))
             start += n
         self.is_value = [isinstance(v, Value) for v in values]
+        self.types = [type(v) for v in values]
 
     def same_structure(self, other: "_Flattened") -> bool:
         if self.treedef != other.treedef:
@@ -80,21 +89,14 @@ class _Flattened:
         return self.rebuild(leaves)
 
 
-def _reusable(wrapped, avals, *, interleave_true: bool = False):
+def _reusable(wrapped, avals):
     """Turn a one-shot `WrappedFun` over dense arrays into a function that can be
     called any number of times (traced once, lazily, to a jaxpr)."""
     cache = []
 
     def call(*xs):
         if not cache:
-
-            def flat(*ys):
-                if interleave_true:
-                    ys = [z for y in ys for z in (y, True)]
-                return wrapped.call_wrapped(*ys)
-
-            structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
-            cache.append(jax.make_jaxpr(flat)(*structs))
+            cache.append(jax.make_jaxpr(wrapped.call_wrapped)(*map(_struct, avals)))
         return jc.jaxpr_as_fun(cache[0])(*xs)
 
     return call
@@ -122,83 +124,178 @@ def custom_jvp_call_p_values(*values: AnyValue, fun, jvp, symbolic_zeros: bool, 
     """The built-in rule for a `custom_jvp` function applied to Values. Its
     params are `fun` and `jvp`, JAX's one-shot `WrappedFun`s over dense arrays
     (`jvp` takes primals then tangents and returns primal then tangent
-    outputs), and `symbolic_zeros`. Returns the list of outputs."""
+    outputs), and `symbolic_zeros`. Returns the list of outputs.
+
+    Whenever JAX would call the function's derivative rule, the rule runs, on
+    the Values (under `quaxify`) and their tangents: a tangent Value of the same
+    type for a type with `structured_tangents`, the dense tangent of the array
+    it stands for otherwise, and a symbolic zero (or a zero, for a rule without
+    `symbolic_zeros`) where nothing is perturbed."""
     inputs = _Flattened(values)
     avals = _avals(values)
     primal_dense = _reusable(fun, avals)
+    rule = _JvpRule(jvp, avals, symbolic_zeros)
     outputs: list[_Flattened] = []
 
-    def primal_leaves(*leaves):
+    @jax.custom_jvp
+    def leaf_function(*leaves):
         out = _Flattened(lifted_call(primal_dense, *inputs.rebuild(leaves)))
         outputs[:] = [out]
         return out.take_leaves()
 
-    structured = not symbolic_zeros and all(
-        getattr(type(v), "structured_tangents", True) for v in values if isinstance(v, Value)
-    )
-    jvp_dense = _reusable(jvp, [*avals, *(a.to_tangent_aval() for a in avals)])
-
-    @jax.custom_jvp
-    def leaf_function(*leaves):
-        return primal_leaves(*leaves)
-
-    @leaf_function.defjvp
     def leaf_function_jvp(primals, tangents):
-        if structured:
-            primal_values = inputs.rebuild(primals)
-            tangent_values = inputs.rebuild_tangents(primals, tangents)
-            outs = lifted_call(jvp_dense, *primal_values, *tangent_values)
-            n = len(outs) // 2
-            primal_out = _Flattened([_primal_like(p, t) for p, t in zip(outs[:n], outs[n:])])
-            tangent_out = _Flattened([_tangent_like(p, t) for p, t in zip(outs[:n], outs[n:])])
-            if primal_out.same_structure(tangent_out):
-                outputs[:] = [primal_out]
-                p_leaves, t_leaves = primal_out.take_leaves(), tangent_out.take_leaves()
-                tangent_leaves = [
-                    t if _is_inexact(p) else _tangent_zeros_like(p)
-                    for p, t in zip(p_leaves, t_leaves)
-                ]
-                return p_leaves, tangent_leaves
-            # The rule's tangents do not fit its primal outputs. JAX lets a
-            # custom_jvp binding call either the function or its rule, never both
-            # (each records its output structure), so differentiate the primal
-            # computation the rule itself performed.
-            return jax.jvp(rule_primal_leaves, tuple(primals), tuple(tangents))
-        # Differentiate the primal computation itself.
-        return jax.jvp(primal_leaves, tuple(primals), tuple(tangents))
+        primal_values = inputs.rebuild(primals)
+        rule_tangents = [
+            _rule_tangent(inputs, position, primals, tangents)
+            for position in range(len(inputs.spans))
+        ]
+        primal_outs, tangent_outs = rule(primal_values, rule_tangents)
+        pairs = [_output_pair(p, t) for p, t in zip(primal_outs, tangent_outs)]
+        primal_out = _Flattened([p for p, _ in pairs])
+        outputs[:] = [primal_out]
+        p_leaves = primal_out.take_leaves()
+        t_leaves = [t for _, leaf_tangents in pairs for t in leaf_tangents]
+        return p_leaves, [
+            t if _is_inexact(p) else _tangent_zeros_like(p) for p, t in zip(p_leaves, t_leaves)
+        ]
 
-    def rule_primal_leaves(*leaves):
-        zeros = [jnp.zeros_like(x) if _is_inexact(x) else _tangent_zeros_like(x) for x in leaves]
-        outs = lifted_call(
-            jvp_dense, *inputs.rebuild(leaves), *inputs.rebuild_tangents(leaves, zeros)
-        )
-        out = _Flattened(outs[: len(outs) // 2])
-        outputs[:] = [out]
-        return out.take_leaves()
-
+    leaf_function.defjvp(leaf_function_jvp, symbolic_zeros=True)
     out_leaves = leaf_function(*inputs.take_leaves())
     return list(outputs[0].rebuild(out_leaves))
 
 
-def _primal_like(primal, tangent):
-    """A rule's primal output in the form its tangent output can take: a Value
-    whose tangent the rule built as a plain array (JAX's own rules make some
-    tangents from scratch, such as `zeros_like` of an output) is materialised,
-    since a plain tangent cannot carry the Value's structure. (Differentiating
-    the rule's own primal computation instead never ends for a rule that calls
-    the function it differentiates, as `jnp.linalg.slogdet`'s does.)"""
-    if isinstance(primal, Value) and not isinstance(tangent, Value):
-        return materialise_value(primal, jc.custom_jvp_call_p, fallback=True)
-    return primal
+def _is_symbolic_zero(t) -> bool:
+    return isinstance(t, jax.custom_derivatives.SymbolicZero)
 
 
-def _tangent_like(primal, tangent):
-    """A rule's tangent output in the form of its primal output: a Value tangent
-    of a plain array output is materialised (tangents of Values with
-    `structured_tangents` are linear in their leaves, so this is exact)."""
-    if isinstance(tangent, Value) and not isinstance(primal, Value):
-        return materialise_value(tangent)
-    return tangent
+def _instantiated(primal, tangent):
+    """A tangent as an array: zeros (of the tangent dtype) for a symbolic zero."""
+    if not _is_symbolic_zero(tangent):
+        return tangent
+    if _is_inexact(primal):
+        return jnp.zeros(jnp.shape(primal), jnp.result_type(primal))
+    return _tangent_zeros_like(primal)
+
+
+def _rule_tangent(inputs: "_Flattened", position: int, primals, tangents):
+    """The tangent a `custom_jvp` rule receives for input `position`, from the
+    tangents JAX gives the leaves: `None` where none is perturbed; for a Value
+    with `structured_tangents`, a Value of its type over the leaf tangents; for
+    another Value, the dense tangent of the array it stands for."""
+    start, stop = inputs.spans[position]
+    if all(_is_symbolic_zero(t) for t in tangents[start:stop]):
+        return None
+    leaf_tangents = [_instantiated(p, t) for p, t in zip(primals[start:stop], tangents[start:stop])]
+    if not inputs.is_value[position]:
+        return leaf_tangents[0]
+    value = inputs.rebuild(primals)[position]
+    if getattr(type(value), "structured_tangents", True):
+        return _Flattened([value]).rebuild_tangents(primals[start:stop], leaf_tangents)[0]
+    return dense_tangent(value, leaf_tangents, jc.custom_jvp_call_p)
+
+
+class _JvpRule:
+    """JAX's one-shot `jvp` function for one `custom_jvp` binding, callable any
+    number of times with Values: traced once to a jaxpr over dense arrays (with
+    symbolic zeros where the first call's tangents were zero, if the function
+    takes them), then evaluated under `quaxify`.
+
+    **Arguments:**
+
+    - `jvp`: JAX's `WrappedFun`, primals then tangents to primal then tangent
+        outputs.
+    - `avals`: the primal inputs' abstract values.
+    - `symbolic_zeros`: whether `jvp` takes `SymbolicZero`s for zero tangents.
+    """
+
+    def __init__(self, jvp, avals, symbolic_zeros: bool):
+        self.jvp, self.avals, self.symbolic_zeros = jvp, avals, symbolic_zeros
+        self.traced = None  # (jaxpr, zero inputs, zero outputs)
+
+    def _trace(self, zero_in: tuple[bool, ...]):
+        tangent_avals = [a.to_tangent_aval() for a in self.avals]
+        zero_out: list[bool] = []
+
+        def flat(*args):
+            primals, present = args[: len(self.avals)], iter(args[len(self.avals) :])
+            tangents = [
+                jax.custom_derivatives.SymbolicZero(aval) if zero else next(present)
+                for aval, zero in zip(tangent_avals, zero_in)
+            ]
+            outs = self.jvp.call_wrapped(*primals, *tangents)
+            n = len(outs) // 2
+            zero_out[:] = [_is_symbolic_zero(t) for t in outs[n:]]
+            return [*outs[:n], *(t for t in outs[n:] if not _is_symbolic_zero(t))]
+
+        structs = [_struct(a) for a in self.avals]
+        structs += [_struct(a) for a, zero in zip(tangent_avals, zero_in) if not zero]
+        jaxpr = jax.make_jaxpr(flat)(*structs)
+        self.traced = (jaxpr, zero_in, tuple(zero_out))
+
+    def __call__(self, primal_values, tangents) -> tuple[list, list]:
+        """`(primal outputs, tangent outputs)` of the rule at `primal_values`
+        (Values or arrays) in the direction `tangents` (`None` for a zero);
+        a tangent output is `None` where the rule gave a symbolic zero."""
+        if self.traced is None:
+            self._trace(tuple(self.symbolic_zeros and t is None for t in tangents))
+        jaxpr, zero_in, zero_out = self.traced  # pyright: ignore[reportGeneralTypeIssues]
+        present = []
+        for aval, tangent, zero in zip(self.avals, tangents, zero_in):
+            if zero and tangent is not None:
+                raise QuaxlikeError(messages.CUSTOM_JVP_ZEROS_CHANGED)
+            if not zero:
+                present.append(_zeros_of(aval) if tangent is None else tangent)
+        outs = lifted_call(jc.jaxpr_as_fun(jaxpr), *primal_values, *present)
+        n = len(zero_out)
+        given = iter(outs[n:])
+        return list(outs[:n]), [None if zero else next(given) for zero in zero_out]
+
+
+def _struct(aval):
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def _zeros_of(aval):
+    """A zero tangent for a primal of abstract value `aval`."""
+    tangent_aval = aval.to_tangent_aval()
+    if tangent_aval.dtype == jax.dtypes.float0:
+        return np.zeros(tangent_aval.shape, jax.dtypes.float0)
+    return jnp.zeros(tangent_aval.shape, tangent_aval.dtype)
+
+
+def _output_pair(primal, tangent) -> tuple[Any, list]:
+    """A rule's primal output, and the tangents of its array leaves, from the
+    rule's tangent output (`None` for a zero).
+
+    A Value output keeps its type where its leaves can carry the tangent: a zero
+    tangent, or a tangent Value of the same structure for a type with
+    `structured_tangents`. Otherwise the output becomes the array it stands for
+    (through `materialise()`, which may refuse, naming `custom_jvp_call`), and a
+    tangent Value the array it stands for too: never a different derivative."""
+    if isinstance(tangent, Value) and not _same_kind(primal, tangent):
+        tangent = dense_array(tangent, jc.custom_jvp_call_p)
+    if isinstance(primal, Value):
+        if tangent is None:
+            return primal, [_zeros_like_leaf(x) for x in _Flattened([primal]).leaves]
+        if isinstance(tangent, Value):  # of the same structure, structured_tangents
+            return primal, _Flattened([tangent]).leaves
+        primal = materialise_value(primal, jc.custom_jvp_call_p, fallback=True)
+    if tangent is None:
+        return primal, [_zeros_like_leaf(primal)]
+    return primal, [tangent]
+
+
+def _same_kind(primal, tangent) -> bool:
+    """Whether the leaves of `tangent` (a Value) are the tangents of `primal`'s."""
+    return (
+        isinstance(primal, Value)
+        and getattr(type(primal), "structured_tangents", True)
+        and _Flattened([primal]).same_structure(_Flattened([tangent]))
+    )
+
+
+def _zeros_like_leaf(x):
+    return jnp.zeros_like(x) if _is_inexact(x) else _tangent_zeros_like(x)
 
 
 @register(jc.custom_vjp_call_p)
@@ -247,8 +344,10 @@ def custom_vjp_call_p_values(
     def leaf_bwd(saved, out_cts):
         res_dynamic, in_leaves, out_leaves = saved
         residuals = eqx.combine(res_dynamic, residual_static[0])
+        _check_output_cotangents(outputs[0], out_cts)
         out_cts = [_instantiate(ct) for ct in out_cts]
-        # Cotangents of Value outputs are rebuilt as Values of the same type.
+        # Cotangents of Value outputs are rebuilt as Values of the same type
+        # (checked above: types with `structured_tangents`, or zero).
         cts = outputs[0].rebuild_tangents(out_leaves, out_cts)
         in_cts = lifted_call(_bwd_cotangents, bwd, *residuals, *cts)
         return tuple(_leaf_cotangents(inputs, in_leaves, in_cts, in_perturbed[0]))
@@ -271,30 +370,36 @@ def _instantiate(ct):
     return ct
 
 
+def _check_output_cotangents(outputs: "_Flattened", out_cts) -> None:
+    """Raise where a Value output's leaves received a cotangent that the
+    backward pass cannot be given: `bwd` takes the cotangent of the array an
+    output stands for, which is the Value rebuilt over its leaves' cotangents
+    only for a type with `structured_tangents`."""
+    for (start, stop), is_value, cls in zip(outputs.spans, outputs.is_value, outputs.types):
+        if not is_value or getattr(cls, "structured_tangents", True):
+            continue
+        if all(_is_symbolic_zero(ct) for ct in out_cts[start:stop]):
+            continue
+        raise QuaxlikeError(messages.CUSTOM_VJP_OUTPUT_COTANGENT.format(type_name=cls.__name__))
+
+
 def _leaf_cotangents(inputs: "_Flattened", in_leaves, in_cts, perturbed):
-    """Cotangents for the input leaves, from the cotangents `bwd` gave the inputs.
+    """Cotangents for the input leaves, from the cotangents `bwd` gave the inputs
+    (each the cotangent of the array an input stands for, an array or a Value).
     Inputs nothing differentiates get none (a Value that refuses to materialise
-    is never pulled back through `materialise()` needlessly)."""
-    out = [None] * len(in_leaves)
+    is never pulled back needlessly)."""
+    out: list = [None] * len(in_leaves)
     values = inputs.rebuild(in_leaves)
     for position, ((start, stop), is_value) in enumerate(zip(inputs.spans, inputs.is_value)):
         ct = in_cts[position]
         if ct is None or start == stop or not perturbed[position]:
             continue
-        if not is_value:
-            out[start] = materialise_value(ct) if isinstance(ct, Value) else ct
-            continue
-        value = values[position]
-        if isinstance(ct, Value) and jtu.tree_structure(ct) == jtu.tree_structure(value):
-            out[start:stop] = _Flattened([ct]).leaves
-            continue
-        # A dense cotangent: pull it back to the leaves through `materialise()`.
-        dense_ct = materialise_value(ct) if isinstance(ct, Value) else ct
-        single = _Flattened([value])
-        _, pullback = jax.vjp(
-            lambda *ls: materialise_value(single.rebuild(ls)[0]), *in_leaves[start:stop]
-        )
-        out[start:stop] = pullback(dense_ct)
+        if isinstance(ct, Value):
+            ct = dense_array(ct, jc.custom_vjp_call_p)
+        if is_value:
+            out[start:stop] = leaf_cotangents(values[position], ct, jc.custom_vjp_call_p)
+        else:
+            out[start] = ct
     return [
         ct if ct is not None and _is_inexact(leaf) else None for ct, leaf in zip(out, in_leaves)
     ]

@@ -338,20 +338,25 @@ def _scaled_grads(seed, stop_gradient):
 def test_traced_scalar_gradient():
     got, expected = _scaled_grads(5, stop_gradient=False)
     assert tree_allclose(got, expected, rtol=RTOL, atol=ATOL)
-    # With a frozen W, the gradients of the factors are right ...
-    got, expected = _scaled_grads(5, stop_gradient=True)
-    assert tree_allclose(got[1:], expected[1:], rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known LoRA limitation: `s * lora` folds `s` into the frozen W, so the gradient "
-    "with respect to a traced `s` misses the W term (see the lora README)",
-)
 def test_traced_scalar_gradient_through_frozen_weight():
-    # ... but the gradient of the scalar misses d/ds (s W) = W.
+    # A frozen W gets no gradient, but the gradient of the scalar goes through it:
+    # d/ds (s W) = W, as on the dense array with `stop_gradient` at W alone.
     got, expected = _scaled_grads(5, stop_gradient=True)
-    assert tree_allclose(got[0], expected[0], rtol=RTOL, atol=ATOL)
+    assert tree_allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_issue_scalar_times_frozen_lora_gradient():
+    # The reproducer of issue 34 (cause 6), against the dense computation.
+    lora = LoraArray(jr.normal(jr.key(3), (M, N)), rank=2, key=jr.key(4))
+    lora = eqx.tree_at(lambda m: m.b, lora, jr.normal(jr.key(5), lora.b.shape))
+    x = jr.normal(jr.key(6), (N,))
+    f = lambda s: quaxlike.quaxify(lambda s, w, x: (s * w) @ x)(s, lora, x).sum()  # noqa: E731
+    dense = lambda s: ((s * lora.dense()) @ x).sum()  # noqa: E731
+    assert jnp.allclose(jax.grad(f)(2.0), jax.grad(dense)(2.0), rtol=RTOL, atol=ATOL)
+    # The answer without the `W` term, which this used to give, is far from it.
+    assert not jnp.allclose(jax.grad(f)(2.0), (lora.a @ lora.b @ x).sum(), rtol=0.1)
 
 
 # --- structural primitives --------------------------------------------------------

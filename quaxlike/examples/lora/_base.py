@@ -141,6 +141,15 @@ class LowRankValue(quaxlike.ArrayValue):
         """
         return self.dense_from(self.frozen_weight(), self.a, self.b)
 
+    def dense_for_derivatives(self) -> Any:
+        # Derivatives need the dense array's tangent or a cotangent's pull-back
+        # (`ct @ B.T`, `A.T @ ct`), never the array itself: quaxlike differentiates
+        # this inside `jax.jit`, so `allow_materialise` need not be set for them.
+        w = self.frozen_weight()
+        while isinstance(w, quaxlike.Value):  # a quantised W: its own dense array
+            w = w.dense_for_derivatives()
+        return self.dense_from(w, self.a, self.b)
+
     def merged(self) -> Any:
         """`W` plus the update as one array, with no `stop_gradient` at `W`: what
         `merge` bakes into a model.

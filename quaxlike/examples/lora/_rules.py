@@ -8,11 +8,13 @@ the three arrays and give another `LoraArray`. Every rule redispatches through
 whose factors are `Zero`).
 """
 
+import dataclasses
 import math
 from typing import cast, TypeVar
 
 import jax.numpy as jnp
 from jax import lax
+from jax.core import Tracer
 from jaxtyping import ArrayLike
 
 import quaxlike
@@ -254,13 +256,26 @@ def gather_p_lora(x: LoraArray, indices: ArrayLike, *, dimension_numbers, slice_
 
 
 def _scale_by(x: _LowRank, scale, op) -> _LowRank:
-    # (W + A B) s = (W s) + (A s) B. Known limitation: for a frozen W, `W s` is then
-    # behind the stop_gradient too, so a gradient with respect to a traced `s` misses
-    # the `W` term (see README.md). Keeping `s` apart from `W` would fix that, at the
-    # price of a LoraArray whose `w` no longer holds its weight, and since constants
-    # are traced under `jit` too, that would happen to every scaled LoRA.
+    # (W + A B) s = (W s) + (A s) B. A traced `s` may carry a derivative, so a
+    # frozen W is frozen before it is scaled: the result holds
+    # `stop_gradient(W) s` and is not frozen again (`stop_gradient` is off), so
+    # the gradient reaches `s` through `W`, as on the dense array, and never `W`
+    # itself. A constant `s` carries none, and is folded into the frozen W: the
+    # result keeps the input's form (a loop carry `m * 0.5` keeps its type).
     scaled = lambda v: op(v, scale)  # noqa: E731
-    return _apply(x, scaled, scaled, lambda v: v)
+    thawed = _thawed(x) if isinstance(scale, Tracer) else x
+    return _apply(thawed, scaled, scaled, lambda v: v)
+
+
+def _thawed(x: _L) -> _L:
+    """`x` with its frozen weight behind `lax.stop_gradient` and the flag off: the
+    same array and the same derivatives, for rules that combine `W` with other
+    traced values."""
+    if not x.stop_gradient:
+        return x
+    fields = {field.name: getattr(x, field.name) for field in dataclasses.fields(x)}
+    fields.update(w=x.frozen_weight(), stop_gradient=False)
+    return type(x)._from_fields(**fields)
 
 
 @quaxlike.register(lax.mul_p)

@@ -236,6 +236,11 @@ class QuantizedArray(quaxlike.ArrayValue):
             )
         return self.dequantize()
 
+    def dense_for_derivatives(self) -> Array:
+        # Derivatives reach the scales (the codes are integers): quaxlike
+        # differentiates this inside `jax.jit`, never keeping the dense weight.
+        return self.dequantize()
+
     def with_scale(self, scale: Array) -> "QuantizedArray":
         """A copy with the scales replaced (same shape; the dtype may change)."""
         return eqx.tree_at(lambda a: a.scale, self, scale)

@@ -186,6 +186,11 @@ class BCOO(quaxlike.ArrayValue):
             raise RuntimeError(_REFUSE_MSG.format(shape=self._shape, nse=self.nse))
         return self.todense()
 
+    def dense_for_derivatives(self) -> Array:
+        # Derivatives reach the stored entries: quaxlike differentiates this
+        # inside `jax.jit`, never keeping the dense array.
+        return self.todense()
+
     def todense(self) -> Array:
         """The dense array this stands for (always allowed: you asked for it)."""
         flat = unbatched(self)

@@ -143,6 +143,12 @@ class Unitful(quaxlike.ArrayValue):
             raise UnitError(_REFUSE_MATERIALISE_MSG.format(unit=self.unit))
         return convert_array(self.array, self.unit, self.unit.si)
 
+    def dense_for_derivatives(self) -> Any:
+        # A derivative given as a plain array speaks of the numbers in this
+        # quantity's own unit (its `array` leaf); dimensionless ones, of the
+        # plain array they materialise to.
+        return self.materialise() if self.unit.dimensionless else self.array
+
     def to(self, unit: Unit) -> "Unitful":
         """The same quantity expressed in `unit`.
 

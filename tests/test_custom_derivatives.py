@@ -1,0 +1,271 @@
+"""A custom derivative rule runs on every ready type, and its derivative is the
+one it gives on the dense arrays.
+
+For each type, `jax.jvp` and `jax.grad` of `quaxify(f)`, where `f` is a
+`jax.custom_jvp`, `jax.custom_vjp`, `eqx.filter_custom_jvp` or
+`eqx.filter_custom_vjp` function, equal those of `f` on the array the Value
+stands for, as functions of the Value's leaves. Every rule here gives twice the
+true derivative, so a rule that is skipped (the primal differentiated instead)
+gives a different answer and fails.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import pytest
+from helpers import tree_allclose
+
+import quaxlike
+from quaxlike.examples.lora import LoraArray
+from quaxlike.examples.quantized import quantize_int4, quantize_int8, quantize_nf4
+from quaxlike.examples.sparse import BCOO
+from quaxlike.examples.structured import Diagonal, TriDiagonal
+from quaxlike.examples.unitful import m, Unitful
+from quaxlike.examples.zero import Zero
+
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _normal(seed, shape):
+    return jr.normal(jr.key(seed), shape)
+
+
+def _lora(stop_gradient: bool, weight=None):
+    weight = _normal(1, (4, 64)) if weight is None else weight
+    lora = LoraArray(weight, rank=2, key=jr.key(2), stop_gradient=stop_gradient)
+    return eqx.tree_at(lambda v: v.b, lora, 0.1 * _normal(3, lora.b.shape))
+
+
+def _bcoo():
+    indices = jnp.array([[0, 1], [1, 3], [2, 0], [3, 63], [0, 40]])
+    return BCOO(_normal(4, (5,)), indices, (4, 64))
+
+
+def _structured(kind):
+    if kind == "diagonal":
+        return Diagonal(_normal(5, (64,)))
+    return TriDiagonal(_normal(6, (63,)), _normal(7, (64,)), _normal(8, (63,)))
+
+
+# name -> a function making the Value (a matrix of 64 columns).
+TYPES = {
+    "lora frozen": lambda: _lora(True),
+    "lora trainable": lambda: _lora(False),
+    "qlora int4": lambda: _lora(True, quantize_int4(_normal(1, (4, 64)))),
+    "int8": lambda: quantize_int8(_normal(9, (4, 64))),
+    "int4": lambda: quantize_int4(_normal(10, (4, 64))),
+    "nf4": lambda: quantize_nf4(_normal(11, (4, 64))),
+    "nf4 double quant": lambda: quantize_nf4(_normal(12, (4, 64)), double_quant=True),
+    "diagonal": lambda: _structured("diagonal"),
+    "tridiagonal": lambda: _structured("tridiagonal"),
+    "sparse": _bcoo,
+    "unitful": lambda: Unitful(_normal(13, (4, 64)), m),
+    "zero": lambda: Zero((4, 64), jnp.float32),
+}
+
+
+def _dense(value):
+    """The array a Value stands for, as a differentiable function of its leaves."""
+    out = value
+    while isinstance(out, quaxlike.Value):
+        out = out.dense_for_derivatives()
+    return out
+
+
+def _plain(y):
+    # A quantity's number in its unit (m^3 here); any other Value's array.
+    return y.array if isinstance(y, Unitful) else _dense(y) if isinstance(y, quaxlike.Value) else y
+
+
+# --- the custom functions: (w @ x)^3 with rules giving twice its derivative ------
+
+
+def _cube(w, x):
+    return (w @ x) ** 3
+
+
+def _twice_cube_tangent(w, x, tw, tx):
+    wx = w @ x
+    tangent = 0.0 if tw is None else tw @ x
+    tangent = tangent if tx is None else tangent + w @ tx
+    return 6 * wx**2 * tangent
+
+
+@jax.custom_jvp
+def jax_jvp_cube(w, x):
+    return _cube(w, x)
+
+
+@jax_jvp_cube.defjvp
+def _jax_jvp_cube_rule(primals, tangents):
+    (w, x), (tw, tx) = primals, tangents
+    return jax_jvp_cube(w, x), _twice_cube_tangent(w, x, tw, tx)
+
+
+@jax.custom_vjp
+def jax_vjp_cube(w, x):
+    return _cube(w, x)
+
+
+def _jax_vjp_fwd(w, x):
+    wx = w @ x
+    return wx**3, (w, x, wx)
+
+
+def _jax_vjp_bwd(residuals, g):
+    w, x, wx = residuals
+    h = 6 * wx**2 * g
+    return jnp.outer(h, x), h @ w  # a dense cotangent for `w`, whatever its type
+
+
+jax_vjp_cube.defvjp(_jax_vjp_fwd, _jax_vjp_bwd)
+
+
+@eqx.filter_custom_jvp
+def eqx_jvp_cube(w, x):
+    return _cube(w, x)
+
+
+@eqx_jvp_cube.def_jvp
+def _eqx_jvp_cube_rule(primals, tangents):
+    (w, x), (tw, tx) = primals, tangents
+    out = eqx_jvp_cube(w, x)
+    if tw is None and tx is None:
+        return out, jnp.zeros_like(out)
+    return out, _twice_cube_tangent(w, x, tw, tx)
+
+
+@eqx.filter_custom_vjp
+def eqx_vjp_cube(w, x):
+    return _cube(w, x)
+
+
+@eqx_vjp_cube.def_fwd
+def _eqx_vjp_fwd(perturbed, w, x):
+    wx = w @ x
+    return wx**3, wx
+
+
+@eqx_vjp_cube.def_bwd
+def _eqx_vjp_bwd(wx, g, perturbed, w, x):
+    return jnp.outer(6 * wx**2 * g, x)
+
+
+# name -> (function, whether it has a forward-mode derivative)
+FUNCTIONS = {
+    "jax.custom_jvp": (jax_jvp_cube, True),
+    "jax.custom_vjp": (jax_vjp_cube, False),
+    "eqx.filter_custom_jvp": (eqx_jvp_cube, True),
+    "eqx.filter_custom_vjp": (eqx_vjp_cube, False),
+}
+
+
+def _losses(function):
+    def through_quaxify(value, x):
+        return _plain(quaxlike.quaxify(function)(value, x)).sum()
+
+    def on_dense(value, x):
+        return function(_dense(value), x).sum()
+
+    return through_quaxify, on_dense
+
+
+def _tangents(value, seed):
+    """Random tangents for the inexact leaves of `value` (None for the others)."""
+    leaves, treedef = jtu.tree_flatten(eqx.filter(value, eqx.is_inexact_array))
+    keys = jr.split(jr.key(seed), max(len(leaves), 1))
+    return jtu.tree_unflatten(
+        treedef, [jr.normal(k, jnp.shape(x), jnp.result_type(x)) for k, x in zip(keys, leaves)]
+    )
+
+
+def _inexact(tree):
+    return eqx.filter(tree, eqx.is_inexact_array)
+
+
+@pytest.mark.parametrize("function_name", list(FUNCTIONS))
+@pytest.mark.parametrize("type_name", list(TYPES))
+def test_grad_runs_the_rule(type_name, function_name):
+    function, _ = FUNCTIONS[function_name]
+    through_quaxify, on_dense = _losses(function)
+    value, x = TYPES[type_name](), 0.1 * _normal(20, (64,))
+    got = eqx.filter_grad(through_quaxify)(value, x)
+    expected = eqx.filter_grad(on_dense)(value, x)
+    assert tree_allclose(_inexact(got), _inexact(expected), rtol=RTOL, atol=ATOL)
+    if function_name in ("jax.custom_jvp", "jax.custom_vjp"):  # under `jit` too
+        got = eqx.filter_jit(eqx.filter_grad(through_quaxify))(value, x)
+        assert tree_allclose(_inexact(got), _inexact(expected), rtol=RTOL, atol=ATOL)
+    # The rule ran: the true derivative is half of it.
+    true = eqx.filter_grad(lambda v, x: _cube(_dense(v), x).sum())(value, x)
+    if any(jnp.any(leaf != 0) for leaf in jtu.tree_leaves(_inexact(true))):
+        assert not tree_allclose(_inexact(got), _inexact(true), rtol=RTOL, atol=ATOL)
+
+
+def _jvp_or_zero(f, primals, tangents):
+    """`eqx.filter_jvp`, with a zero for the tangent it leaves out (`None`: the
+    output does not depend on the inputs, as for a `Zero`)."""
+    out, tangent = eqx.filter_jvp(f, primals, tangents)
+    return out, jnp.zeros_like(out) if tangent is None else tangent
+
+
+@pytest.mark.parametrize("function_name", [n for n, (_, fwd) in FUNCTIONS.items() if fwd])
+@pytest.mark.parametrize("type_name", list(TYPES))
+def test_jvp_runs_the_rule(type_name, function_name):
+    function, _ = FUNCTIONS[function_name]
+    through_quaxify, on_dense = _losses(function)
+    value, x = TYPES[type_name](), 0.1 * _normal(20, (64,))
+    primals, tangents = (value, x), (_tangents(value, 21), _normal(22, (64,)))
+    _, got = _jvp_or_zero(through_quaxify, primals, tangents)
+    _, expected = _jvp_or_zero(on_dense, primals, tangents)
+    assert jnp.allclose(got, expected, rtol=RTOL, atol=ATOL)
+    _, true = _jvp_or_zero(lambda v, x: _cube(_dense(v), x).sum(), primals, tangents)
+    assert jnp.allclose(got, 2 * true, rtol=RTOL, atol=ATOL)
+    # Only `x` perturbed: the Value's tangent is a symbolic zero.
+    _, got = jax.jvp(lambda x: through_quaxify(value, x), (x,), (tangents[1],))
+    _, expected = jax.jvp(lambda x: on_dense(value, x), (x,), (tangents[1],))
+    assert jnp.allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_issue_example_custom_jvp_with_lora():
+    # The reproducer of issue 34, cause 1.
+    @jax.custom_jvp
+    def f(w, x):
+        return w @ x
+
+    @f.defjvp
+    def f_jvp(p, t):
+        (w, x), (_, tx) = p, t
+        return f(w, x), 2 * (w @ tx)
+
+    lora = LoraArray(jnp.eye(3), rank=1, key=jr.key(0))
+    out = jax.jvp(lambda x: quaxlike.quaxify(f)(lora, x), (jnp.ones(3),), (jnp.ones(3),))[1]
+    assert jnp.array_equal(out, jnp.full(3, 2.0))
+
+
+def test_refusal_names_the_derivative_and_the_way_out():
+    # A type whose array is not linear in its leaves and that refuses to become
+    # dense cannot give a rule its tangent: an error says so.
+    class Product(quaxlike.ArrayValue):
+        structured_tangents = False
+        a: jax.Array
+        b: jax.Array
+
+        def aval(self):
+            return jax.core.ShapedArray(self.a.shape, self.a.dtype)
+
+        def materialise(self):
+            raise RuntimeError("Product refuses to materialise")
+
+    value = Product(jnp.ones((4, 64)), jnp.ones((4, 64)))
+    with pytest.raises(quaxlike.MaterialisationError) as info:
+        eqx.filter_jvp(
+            lambda v: quaxlike.quaxify(jax_jvp_cube)(v, jnp.ones(64)).sum(),
+            (value,),
+            (_tangents(value, 0),),
+        )
+    message = str(info.value)
+    assert "custom_jvp_call" in message and "Product" in message
+    assert "dense_for_derivatives" in message and "refuses to materialise" in message
