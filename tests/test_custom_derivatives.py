@@ -16,9 +16,12 @@ import jax.random as jr
 import jax.tree_util as jtu
 import pytest
 from helpers import tree_allclose
+from jax import lax
 
 import quaxlike
-from quaxlike.examples.lora import LoraArray
+from quaxlike.examples.constant import Constant
+from quaxlike.examples.lora import LoraArray, LoraConvKernel
+from quaxlike.examples.named import NamedArray
 from quaxlike.examples.quantized import quantize_int4, quantize_int8, quantize_nf4
 from quaxlike.examples.sparse import BCOO
 from quaxlike.examples.structured import Diagonal, TriDiagonal
@@ -64,6 +67,8 @@ TYPES = {
     "sparse": _bcoo,
     "unitful": lambda: Unitful(_normal(13, (4, 64)), m),
     "zero": lambda: Zero((4, 64), jnp.float32),
+    "named": lambda: NamedArray(_normal(14, (4, 64)), ("out", "in")),
+    "constant": lambda: Constant(jnp.float32(0.3), (4, 64), jnp.float32),
 }
 
 
@@ -269,3 +274,69 @@ def test_refusal_names_the_derivative_and_the_way_out():
     message = str(info.value)
     assert "custom_jvp_call" in message and "Product" in message
     assert "dense_for_derivatives" in message and "refuses to materialise" in message
+
+
+# --- a LoRA convolution kernel: conv(x, K)^3, with rules giving twice its derivative
+
+
+def _conv(kernel, x):
+    return lax.conv(x, kernel, (1, 1), "SAME")
+
+
+@jax.custom_jvp
+def conv_jvp_cube(kernel, x):
+    return _conv(kernel, x) ** 3
+
+
+@conv_jvp_cube.defjvp
+def _conv_jvp_cube_rule(primals, tangents):
+    (kernel, x), (t_kernel, t_x) = primals, tangents
+    y = _conv(kernel, x)
+    return y**3, 6 * y**2 * (_conv(t_kernel, x) + _conv(kernel, t_x))
+
+
+@jax.custom_vjp
+def conv_vjp_cube(kernel, x):
+    return _conv(kernel, x) ** 3
+
+
+def _conv_vjp_fwd(kernel, x):
+    y = _conv(kernel, x)
+    return y**3, (kernel, x, y)
+
+
+def _conv_vjp_bwd(residuals, g):
+    kernel, x, y = residuals
+    h = 6 * y**2 * g
+    # Linear in the kernel: its cotangent does not depend on the kernel's value,
+    # and is a dense array whatever the kernel's type.
+    placeholder = jnp.zeros(kernel.shape, kernel.dtype)
+    (ct_kernel,) = jax.vjp(lambda k: _conv(k, x), placeholder)[1](h)
+    (ct_x,) = jax.vjp(lambda z: _conv(kernel, z), x)[1](h)
+    return ct_kernel, ct_x
+
+
+conv_vjp_cube.defvjp(_conv_vjp_fwd, _conv_vjp_bwd)
+
+
+@pytest.mark.parametrize("stop_gradient", [True, False])
+@pytest.mark.parametrize(
+    "function", [conv_jvp_cube, conv_vjp_cube], ids=["custom_jvp", "custom_vjp"]
+)
+def test_conv_lora_runs_the_rule(function, stop_gradient):
+    kernel = LoraConvKernel(
+        _normal(30, (4, 3, 3, 3)), rank=2, key=jr.key(31), stop_gradient=stop_gradient
+    )
+    kernel = eqx.tree_at(lambda k: k.b, kernel, 0.1 * _normal(32, kernel.b.shape))
+    x = 0.3 * _normal(33, (1, 3, 5, 5))
+    through_quaxify, on_dense = _losses(function)
+    got = eqx.filter_grad(through_quaxify)(kernel, x)
+    expected = eqx.filter_grad(on_dense)(kernel, x)
+    assert tree_allclose(_inexact(got), _inexact(expected), rtol=RTOL, atol=ATOL)
+    true = eqx.filter_grad(lambda k, x: (_conv(_dense(k), x) ** 3).sum())(kernel, x)
+    assert not tree_allclose(_inexact(got), _inexact(true), rtol=RTOL, atol=ATOL)
+    if function is conv_jvp_cube:
+        primals, tangents = (kernel, x), (_tangents(kernel, 34), _normal(35, x.shape))
+        _, got = eqx.filter_jvp(through_quaxify, primals, tangents)
+        _, expected = eqx.filter_jvp(on_dense, primals, tangents)
+        assert jnp.allclose(got, expected, rtol=RTOL, atol=ATOL)
