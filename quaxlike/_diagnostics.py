@@ -407,11 +407,17 @@ class messages:
         "what `jax.grad` differentiates)."
     )
     CUSTOM_JVP_ZEROS_CHANGED = (
-        "A `custom_jvp` rule that takes symbolic zeros was traced with a zero tangent "
-        "for an input that is now perturbed. JAX's rule for one binding can be traced "
-        "only once, so quaxlike cannot call it again with the new tangents. Apply the "
-        "`custom_jvp` function afresh for each differentiation (do not reuse a "
-        "linearised function across different inputs), or report this case."
+        "A `custom_jvp` rule that takes symbolic zeros (as `eqx.filter_custom_jvp` "
+        "rules do) was first called, on Values, with a zero tangent for an input "
+        "that is perturbed now. JAX hands quaxlike such a rule once per application "
+        "of the function, so it cannot be called again with the new tangents, and "
+        "handing it a dense zero instead could break a rule that relies on `None` "
+        "for unperturbed inputs. This happens when one traced program (a `jax.jit` "
+        "of a quaxified function, say) is differentiated with respect to different "
+        "arguments. Way out: trace once per derivative, with the transformation "
+        "outside the `jit` (`jax.jit(jax.grad(f, argnums))`, not "
+        "`jax.grad(jax.jit(f), argnums)` for several `argnums`), or quaxify inside "
+        "the differentiated function."
     )
     CUSTOM_VJP_OUTPUT_COTANGENT = (
         "A `custom_vjp` function applied to Values returned a {type_name}, and a "
