@@ -410,14 +410,7 @@ def _materialise_as(value: Value, aval: jc.AbstractValue, primitive, refused=Non
     if getattr(out, "aval", None) is aval:
         # The very abstract value promised (a field handed back as it is).
         return out
-    depth = 0
-    while is_value(out):
-        depth += 1
-        if depth > 100:
-            raise QuaxlikeError(
-                messages.MATERIALISE_LOOP.format(type_name=type(value).__qualname__)
-            )
-        out = _call_materialise(out, refused)
+    out = follow_values(out, lambda v: _call_materialise(v, refused), value)
     out_aval = getattr(out, "aval", None)  # jax.Array and tracers (cheaper than np.shape)
     if isinstance(out_aval, jc.ShapedArray):
         out_shape, out_dtype = out_aval.shape, out_aval.dtype
@@ -437,6 +430,45 @@ def _materialise_as(value: Value, aval: jc.AbstractValue, primitive, refused=Non
             )
         )
     return out
+
+
+def follow_values(x: Any, step, origin: Any = None) -> Any:
+    """`step(x)` while `x` is a Value (a `materialise()` may return another
+    Value), at most 100 times; `origin` names the type in the error."""
+    depth = 0
+    while is_value(x):
+        depth += 1
+        if depth > 100:
+            name = type(x if origin is None else origin).__qualname__
+            raise QuaxlikeError(messages.MATERIALISE_LOOP.format(type_name=name))
+        x = step(x)
+    return x
+
+
+def array_for_derivatives(value: Any) -> Any:
+    """The array `value` stands for, by `Value.dense_for_derivatives()`, followed
+    through the Values it returns (a LoRA over a quantised weight); anything
+    other than a Value is returned as it is.
+
+    **Arguments:**
+
+    - `value`: a Value, or an array.
+
+    **Returns:**
+
+    An ordinary array, a differentiable function of the Value's leaves.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.quantized import quantize_int8
+
+        q = quantize_int8(jnp.ones((4, 8)))
+        dense = quaxlike.internal.array_for_derivatives(q)
+        assert dense.shape == (4, 8)
+        ```
+    """
+    return follow_values(value, lambda v: v.dense_for_derivatives())
 
 
 def _call_materialise(value: Value, refused) -> Any:

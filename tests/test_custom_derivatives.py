@@ -72,12 +72,7 @@ TYPES = {
 }
 
 
-def _dense(value):
-    """The array a Value stands for, as a differentiable function of its leaves."""
-    out = value
-    while isinstance(out, quaxlike.Value):
-        out = out.dense_for_derivatives()
-    return out
+_dense = quaxlike.internal.array_for_derivatives
 
 
 def _plain(y):

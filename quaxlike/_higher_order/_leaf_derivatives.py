@@ -21,7 +21,7 @@ import jax
 import jax.tree_util as jtu
 
 from .._diagnostics import MaterialisationError, messages
-from .._values import checked_aval, is_value, Value
+from .._values import checked_aval, follow_values, Value
 
 
 def _is_none(x: Any) -> bool:
@@ -37,22 +37,17 @@ class _RefusedForDerivative(Exception):
 
 
 def _dense_of(value: Value) -> Any:
-    """`value.dense_for_derivatives()`, followed through Values it returns."""
-    out: Any = value
-    depth = 0
-    while is_value(out):
-        depth += 1
-        if depth > 100:
-            raise MaterialisationError(
-                messages.MATERIALISE_LOOP.format(type_name=type(value).__qualname__)
-            )
+    """`array_for_derivatives(value)`, a refusal carried out with the type's name."""
+
+    def step(v):
         try:
-            out = out.dense_for_derivatives()
+            return v.dense_for_derivatives()
         except MaterialisationError:
             raise
         except Exception as error:
-            raise _RefusedForDerivative(type(out).__name__, error) from error
-    return out
+            raise _RefusedForDerivative(type(v).__name__, error) from error
+
+    return follow_values(value, step)
 
 
 def _inexact_part(value: Value):

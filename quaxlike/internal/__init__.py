@@ -6,7 +6,10 @@ from .._jax_compat import (
     jit_inlines_at_trace as jit_inlines_at_trace,
     ShapedArray as ShapedArray,
 )
-from .._values import materialise_value as materialise_value
+from .._values import (
+    array_for_derivatives as array_for_derivatives,
+    materialise_value as materialise_value,
+)
 from ._cached_rule import cached_rule as cached_rule
 from ._helpers import output_aval as output_aval
 from ._labels import (

@@ -145,9 +145,8 @@ class LowRankValue(quaxlike.ArrayValue):
         # Derivatives need the dense array's tangent or a cotangent's pull-back
         # (`ct @ B.T`, `A.T @ ct`), never the array itself: quaxlike differentiates
         # this inside `jax.jit`, so `allow_materialise` need not be set for them.
-        w = self.frozen_weight()
-        while isinstance(w, quaxlike.Value):  # a quantised W: its own dense array
-            w = w.dense_for_derivatives()
+        # A quantised W: its own array for derivatives.
+        w = quaxlike.internal.array_for_derivatives(self.frozen_weight())
         return self.dense_from(w, self.a, self.b)
 
     def merged(self) -> Any:
