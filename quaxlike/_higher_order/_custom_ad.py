@@ -43,11 +43,20 @@ def _is_inexact(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+_SCALARS = (bool, int, float, complex, np.generic)
+
+
 class _Flattened:
     """The array leaves of a list of values (Values flattened), and the way back."""
 
     def __init__(self, values):
-        dynamic, self.static = eqx.partition(list(values), eqx.is_array)
+        # A plain output may be a NumPy or Python scalar (a jaxpr's literal) in one
+        # computation and an array in another: as an array it is always a leaf.
+        values = [
+            jnp.asarray(v) if not isinstance(v, Value) and isinstance(v, _SCALARS) else v
+            for v in values
+        ]
+        dynamic, self.static = eqx.partition(values, eqx.is_array)
         self.leaves, self.treedef = jtu.tree_flatten(dynamic)
         # For each position, the slice of `leaves` it owns, and whether it is a Value.
         self.spans = []
