@@ -126,13 +126,14 @@ class _Layout:
     outputs' layout is recorded when the companion first runs or is evaluated
     abstractly."""
 
-    __slots__ = ("params", "operands", "outputs", "output_avals", "__weakref__")
+    __slots__ = ("params", "operands", "outputs", "output_avals", "expected", "__weakref__")
 
     def __init__(self, params: dict, operands):
         self.params = params
         self.operands = [_split(x)[1] for x in operands]
         self.outputs: list | None = None
         self.output_avals: list = []
+        self.expected: list | None = None
 
     def record_outputs(self, outputs) -> list:
         if self.outputs is None:
@@ -200,13 +201,24 @@ def _tangents_out(primals_out: list, tangents_out: list, primitive) -> list:
     return flat
 
 
-def _make_companion(primitive, impl, jvp, transpose):
+def _make_companion(primitive, impl, abstract_eval, jvp, transpose):
     """A filter primitive over the array leaves of `primitive`'s operands, whose
-    rules run `primitive`'s own (`impl`, `jvp`, `transpose`) under `quaxify`."""
+    rules run `primitive`'s own (`impl`, `jvp`, `transpose`) under `quaxify`.
+    Its plain outputs have the weak types of `primitive`'s own abstract
+    evaluation (`abstract_eval`), which the implementation may not keep."""
+
+    def expected_avals(operands, layout: _Layout) -> list:
+        if layout.expected is None:
+            avals = [x.aval() if isinstance(x, Value) else jax.typeof(x) for x in operands]
+            layout.expected = list(abstract_eval(*avals, **layout.params))
+        return layout.expected
 
     def companion_impl(*arrays, layout: _Layout):
         operands = _join(layout.operands, arrays)
         outputs = lifted_call(lambda *ops: impl(*ops, **layout.params), *operands)
+        outputs = [
+            _strong_if(x, aval) for x, aval in zip(outputs, expected_avals(operands, layout))
+        ]
         return layout.record_outputs(outputs)
 
     def companion_abstract_eval(*avals, layout: _Layout):
@@ -275,6 +287,16 @@ def _make_companion(primitive, impl, jvp, transpose):
         companion_jvp,
         companion_transpose,
     )
+
+
+def _strong_if(x, aval):
+    """`x` without its weak type where the primitive's own abstract evaluation
+    gives `aval` a strong one (a plain output only)."""
+    if isinstance(x, Value) or getattr(aval, "weak_type", True):
+        return x
+    if not jax.typeof(x).weak_type:
+        return x
+    return lax.convert_element_type(x, aval.dtype)
 
 
 def _instantiate(ct):

@@ -37,8 +37,8 @@ FILTER_PRIMITIVES_FOUND = (
 )
 
 
-def filter_primitive_rules(primitive) -> tuple[Any, Any, Any] | None:
-    """`(impl, jvp, transpose)` of a filter primitive made by Equinox's
+def filter_primitive_rules(primitive) -> tuple[Any, Any, Any, Any] | None:
+    """`(impl, abstract_eval, jvp, transpose)` of a filter primitive made by Equinox's
     `create_vprim` (its params are `treedef`, `static` and `flatten`), or
     `None` for any other primitive, or where this Equinox keeps them elsewhere."""
     if not FILTER_PRIMITIVES_FOUND or primitive is _batching_vprim:
@@ -46,6 +46,7 @@ def filter_primitive_rules(primitive) -> tuple[Any, Any, Any] | None:
     try:
         return (
             _registries["impl"][primitive],
+            _registries["abstract_eval"][primitive],
             _registries["jvp"][primitive],
             _registries["transpose"][primitive],
         )
