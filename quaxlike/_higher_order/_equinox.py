@@ -1,8 +1,8 @@
 """Rules for the primitives Equinox defines for its libraries.
 
-- *Filter primitives* (made by Equinox's `create_vprim`: lineax's `linear_solve`,
-  the loop helpers' `maybe_set`): their operands are the array leaves of any
-  PyTree, and a Value among them is one leaf. For each such primitive `P` a
+- *Primitives made by Equinox's `create_vprim`*: filter primitives such as
+  lineax's `linear_solve` (whose operands are the array leaves of any PyTree, a
+  Value among them one leaf), and the loop helpers' `maybe_set` (a buffer write). For each such primitive `P` a
   companion filter primitive is made once (`_companion`), whose operands are the
   Values' own array leaves; binding it at the parent trace keeps the Values
   structured, while its implementation, abstract evaluation, JVP and transpose
@@ -328,8 +328,6 @@ def _provide_filter_primitive_rule(primitive) -> None:
 
     @register(primitive)
     def filter_primitive_values(*operands: AnyValue, **params):
-        if not {"treedef", "static", "flatten"} <= params.keys():
-            return NotImplemented
         layout = _Layout(params, operands)
         outputs = _companion(primitive, rules).bind(*_flat(operands), layout=layout)
         assert layout.outputs is not None  # recorded by its impl or abstract evaluation

@@ -38,9 +38,11 @@ FILTER_PRIMITIVES_FOUND = (
 
 
 def filter_primitive_rules(primitive) -> tuple[Any, Any, Any, Any] | None:
-    """`(impl, abstract_eval, jvp, transpose)` of a filter primitive made by Equinox's
-    `create_vprim` (its params are `treedef`, `static` and `flatten`), or
-    `None` for any other primitive, or where this Equinox keeps them elsewhere."""
+    """`(impl, abstract_eval, jvp, transpose)` of a primitive made by Equinox's
+    `create_vprim` (a filter primitive such as lineax's `linear_solve`, whose
+    params are `treedef`, `static` and `flatten`, or one with params of its own
+    such as `maybe_set`), or `None` for any other primitive (Equinox's own
+    batching primitive among them), or where this Equinox keeps them elsewhere."""
     if not FILTER_PRIMITIVES_FOUND or primitive is _batching_vprim:
         return None
     try:

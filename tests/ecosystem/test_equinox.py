@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import quaxlike
-from quaxlike.examples.unitful import m, Unitful
+from quaxlike.examples.unitful import m, s, Unitful
 
 
 VALUES = {
@@ -137,3 +137,27 @@ def test_internal_while_loop_with_a_value_in_the_body(kind, name):
     np.testing.assert_allclose(jitted, expected, rtol=1e-5)
     report = quaxlike.explain(power_iteration)(w, x0)
     assert not report.materialised, report
+
+
+@pytest.mark.parametrize("kind", ["lax", "checkpointed", "bounded"])
+def test_internal_while_loop_buffers_keep_units(kind):
+    # Writes into a loop's buffers are Equinox's `maybe_set` primitive.
+    x, t = Unitful(jnp.arange(3.0), m), Unitful(jnp.array(2.0), s)
+
+    def fill(x, t, buffer):
+        def body(carry):
+            i, buffer, total = carry
+            return i + 1, buffer.at[i].set(x * i), total + t
+
+        init = (0, buffer, t)
+        out = eqxi.while_loop(
+            lambda c: c[0] < 4, body, init, max_steps=4, kind=kind, buffers=lambda c: c[1]
+        )
+        return out[1], out[2]
+
+    zeros = jnp.zeros((4, 3))
+    buffer, total = quaxlike.quaxify(fill)(x, t, Unitful(zeros, m))
+    assert buffer.unit == m and total.unit == s
+    expected, expected_total = fill(x.array, t.array, zeros)
+    np.testing.assert_allclose(buffer.array, expected)
+    np.testing.assert_allclose(total.array, expected_total)
