@@ -143,3 +143,23 @@ def test_lu_on_a_tridiagonal_matrix_uses_its_own_rule():
 
 def ft_partial(fn, *args):
     return lambda *rest: fn(*args, *rest)
+
+
+def test_cg_under_vmap_over_tridiagonal_operators_and_its_gradient():
+    off = jnp.full(_cases.N - 1, 0.5)
+    vector = jnp.linspace(1.0, 2.0, _cases.N)
+    diagonals = jnp.stack([jnp.full(_cases.N, 3.0), jnp.linspace(3.0, 4.0, _cases.N)])
+    solve = _solve("CG")
+
+    def with_value(diag):
+        return quaxlike.quaxify(solve)(TriDiagonal(off, diag, off), vector)
+
+    def dense(diag):
+        return solve(jnp.diag(diag) + jnp.diag(off, 1) + jnp.diag(off, -1), vector)
+
+    np.testing.assert_allclose(
+        jax.vmap(with_value)(diagonals), jax.vmap(dense)(diagonals), rtol=1e-5, atol=1e-6
+    )
+    grads = jax.jit(jax.vmap(jax.grad(lambda d: jnp.sum(with_value(d)))))(diagonals)
+    expected = jax.vmap(jax.grad(lambda d: jnp.sum(dense(d))))(diagonals)
+    np.testing.assert_allclose(grads, expected, rtol=1e-4, atol=1e-6)
