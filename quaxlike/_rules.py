@@ -10,6 +10,7 @@ outside this module predicts what dispatch will do. Caches elsewhere that
 depend on the rules subscribe with `on_rules_changed`.
 """
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast, TypeVar
 
@@ -37,6 +38,9 @@ _dispatchers: dict[jc.Primitive, plum.Function] = {}
 _plans: dict[tuple, "Plan"] = {}
 # Called with no arguments after every `register`.
 _subscribers: list[Callable[[], None]] = []
+# Asked once for each primitive that has no rules yet; may register some.
+_rule_providers: list[Callable[[jc.Primitive], None]] = []
+_asked_providers: "weakref.WeakSet[jc.Primitive]" = weakref.WeakSet()
 
 
 def on_rules_changed(callback: Callable[[], None]) -> Callable[[], None]:
@@ -45,6 +49,23 @@ def on_rules_changed(callback: Callable[[], None]) -> Callable[[], None]:
     `callback`, so it can be used as a decorator."""
     _subscribers.append(callback)
     return callback
+
+
+def add_rule_provider(provider: Callable[[jc.Primitive], None]) -> Callable[[jc.Primitive], None]:
+    """Ask `provider(primitive)` once for each primitive that has no rules when
+    its first plan is made; it may `register` rules for it. For families of
+    primitives created after quaxlike is imported (Equinox's filter primitives:
+    lineax makes one when it is imported). Returns `provider`."""
+    _rule_providers.append(provider)
+    return provider
+
+
+def _provided_dispatcher(primitive: jc.Primitive) -> plum.Function | None:
+    if primitive not in _asked_providers:
+        _asked_providers.add(primitive)
+        for provider in _rule_providers:
+            provider(primitive)
+    return _dispatchers.get(primitive)
 
 
 def _rules_changed() -> None:
@@ -315,7 +336,7 @@ class Plan:
 
 
 def _make_plan(primitive: jc.Primitive, values: tuple) -> Plan:
-    function = _dispatchers.get(primitive)
+    function = _dispatchers.get(primitive) or _provided_dispatcher(primitive)
     methods = [] if function is None else list(function.methods)
     chain = _chain(methods, values, primitive, swapped=False)
     if len(values) == 2 and primitive.name in _COMMUTATIVE_NAMES:

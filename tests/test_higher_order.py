@@ -198,6 +198,52 @@ def test_cond_zero_in_one_branch_dense_in_other(getseed, pred, jit):
     assert tree_allclose(out, f(jnp.zeros(3), x, pred))
 
 
+def test_a_callback_in_a_branch_takes_the_other_branch_s_type(getseed):
+    # `eqx.error_if`'s shape: one branch returns the Value, the other computes its
+    # output with a host callback that raises.
+    lora = make_lora(getseed())
+
+    def raises():
+        raise ValueError("checked on the host")
+
+    def f(m, p):
+        struct = jax.ShapeDtypeStruct(m.shape, m.dtype)
+        return lax.cond(p, lambda: jax.pure_callback(raises, struct), lambda: m)
+
+    g = jax.jit(quaxlike.quaxify(f))
+    out = g(lora, jnp.asarray(False))
+    assert isinstance(out, LoraArray)
+    assert tree_allclose(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(lora))
+    with pytest.raises(Exception, match="checked on the host"):
+        g(lora, jnp.asarray(True))
+
+
+def test_a_callback_that_returns_in_a_branch_raises_at_run_time(getseed):
+    lora = make_lora(getseed())
+
+    def f(m, p):
+        struct = jax.ShapeDtypeStruct(m.shape, m.dtype)
+        computed = jax.pure_callback(lambda: np.ones(struct.shape, struct.dtype), struct)
+        return lax.cond(p, lambda: computed * 1.0, lambda: m)
+
+    # Not computed by the callback directly: materialised (refused by LoRA).
+    with pytest.raises(quaxlike.BranchMaterialisationError):
+        jax.jit(quaxlike.quaxify(f))(lora, jnp.asarray(False))
+
+    def h(m, p):
+        struct = jax.ShapeDtypeStruct(m.shape, m.dtype)
+        return lax.cond(
+            p,
+            lambda: jax.pure_callback(lambda: np.ones(struct.shape, struct.dtype), struct),
+            lambda: m,
+        )
+
+    g = jax.jit(quaxlike.quaxify(h))
+    assert isinstance(g(lora, jnp.asarray(False)), LoraArray)
+    with pytest.raises(Exception, match="cannot be turned into a LoraArray"):
+        g(lora, jnp.asarray(True))
+
+
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_switch_lora_and_zero(getseed, index):
     lora = make_lora(getseed())

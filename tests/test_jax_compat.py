@@ -375,3 +375,71 @@ def test_without_mesh_tells_an_explicitly_sharded_aval():
     for _ in range(2):
         assert jc.without_mesh(jax.typeof(jnp.ones(3)))
         assert not jc.without_mesh(jax.typeof(sharded))
+
+
+# --- Equinox's own primitives -------------------------------------------------------
+
+
+def test_filter_primitive_rules_found_and_their_fallback(monkeypatch):
+    import lineax._solve
+
+    from quaxlike._jax_compat import _equinox
+
+    rules = jc.filter_primitive_rules(lineax._solve.linear_solve_p)
+    assert rules is not None and all(callable(r) for r in rules)
+    assert jc.filter_primitive_rules(jax.lax.add_p) is None
+    # An Equinox that keeps its registries elsewhere: no rules (the default).
+    monkeypatch.setattr(_equinox, "FILTER_PRIMITIVES_FOUND", False)
+    assert jc.filter_primitive_rules(lineax._solve.linear_solve_p) is None
+
+
+def _toy_filter_primitive(name):
+    """A filter primitive doubling a PyTree's arrays, made the way lineax makes its own."""
+    import equinox.internal as eqxi
+
+    def double(tree):
+        return jax.tree_util.tree_map(lambda x: 2 * x, tree)
+
+    def jvp(primals, tangents, **params):
+        return jax.tree_util.tree_map(lambda t: 2 * t, (primals, tangents))
+
+    return eqxi.create_vprim(
+        name,
+        eqxi.filter_primitive_def(double),
+        eqxi.filter_primitive_def(lambda tree: tree),
+        eqxi.filter_primitive_jvp(lambda p, t: (double(p), double(t))),
+        None,
+    )
+
+
+def test_filter_primitives_with_and_without_their_rules(monkeypatch):
+    import equinox.internal as eqxi
+
+    from quaxlike._jax_compat import _equinox
+    from quaxlike.examples.structured import TriDiagonal
+
+    a = TriDiagonal(jnp.full(3, 0.5), jnp.full(4, 3.0), jnp.full(3, 0.5))
+    found = _toy_filter_primitive("quaxlike_test_double")
+    out = quaxlike.quaxify(lambda x: eqxi.filter_primitive_bind(found, x))(a)
+    assert isinstance(out, TriDiagonal)
+    np.testing.assert_allclose(out.materialise(), 2 * a.materialise())
+    # An Equinox that keeps its registries elsewhere: no rules, the default.
+    monkeypatch.setattr(_equinox, "FILTER_PRIMITIVES_FOUND", False)
+    missing = _toy_filter_primitive("quaxlike_test_double_unprobed")
+    report = quaxlike.explain(lambda x: eqxi.filter_primitive_bind(missing, x))(a)
+    assert [r.primitive for r in report.materialised] == ["quaxlike_test_double_unprobed"]
+
+
+def test_callback_host_function_and_its_fallback():
+    def f(x):
+        return jax.pure_callback(np.sin, jax.ShapeDtypeStruct((2,), jnp.float32), x)
+
+    (eqn,) = jax.make_jaxpr(f)(jnp.ones(2, jnp.float32)).jaxpr.eqns
+    host = jc.callback_host_function(eqn)
+    assert host is not None
+    np.testing.assert_allclose(host(np.ones(2, np.float32))[0], np.sin(1.0), rtol=1e-6)
+    (add,) = jax.make_jaxpr(lambda x: x + 1)(1.0).jaxpr.eqns
+    assert jc.callback_host_function(add) is None
+    # A release whose callback equations keep the host function elsewhere.
+    moved = types.SimpleNamespace(primitive=eqn.primitive, params={})
+    assert jc.callback_host_function(moved) is None

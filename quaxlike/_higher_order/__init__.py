@@ -6,4 +6,13 @@ These rules are ordinary registrations, annotated with the broadest types
 more specific and wins by normal dispatch. Imported for its side effects.
 """
 
-from . import _cond, _custom_ad, _eager_operators, _jit, _loops, _remat, _sharding  # noqa: F401
+from . import (  # noqa: F401
+    _cond,
+    _custom_ad,
+    _eager_operators,
+    _equinox,
+    _jit,
+    _loops,
+    _remat,
+    _sharding,
+)

@@ -8,31 +8,42 @@ from .. import _jax_compat as jc
 from .._diagnostics import BranchMaterialisationError, messages, QuaxlikeError
 from .._quaxify import lifted_call
 from .._rules import register
+from .._values import Value
+from ._branch_callbacks import abstract_template, callback_outputs, run_retyped
 from ._common import AnyValue, to_dense, to_dense_or_raise, type_signature
 
 
 @register(jc.cond_p)
 def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
     index = to_dense(index, jc.cond_p)
-    bodies = [ft.partial(lifted_call, jc.jaxpr_as_fun(branch)) for branch in branches]
     # Branches may return different types at one position (a symbolic zero in one
     # branch, a dense array in the other). Try as they are; if JAX rejects the
-    # branches as mismatched, materialise exactly the positions that disagree.
+    # branches as mismatched, give a host callback's result at such a position
+    # the type the other branches agree on (`_branch_callbacks`), and
+    # materialise the other positions that disagree.
     dense: set[int] = set()
+    retyped: list[dict] = [{} for _ in branches]
     while True:
-        signatures: list = [None] * len(bodies)
+        signatures: list = [None] * len(branches)
+        templates: list = [None] * len(branches)
 
         def make_branch(i):
+            if retyped[i]:
+                body = ft.partial(lifted_call, ft.partial(run_retyped, branches[i], retyped[i]))
+            else:
+                body = ft.partial(lifted_call, jc.jaxpr_as_fun(branches[i]))
+
             def branch(*ops):
-                out = bodies[i](*ops)
+                out = body(*ops)
                 out = [_to_dense_output(o, j) if j in dense else o for j, o in enumerate(out)]
                 signatures[i] = [type_signature(o) for o in out]
+                templates[i] = [abstract_template(o) if isinstance(o, Value) else None for o in out]
                 return out
 
             return branch
 
         try:
-            return lax.switch(index, [make_branch(i) for i in range(len(bodies))], *operands)
+            return lax.switch(index, [make_branch(i) for i in range(len(branches))], *operands)
         except QuaxlikeError:
             raise  # ours, from inside a branch: not JAX rejecting the branches' outputs
         except (TypeError, ValueError):
@@ -42,9 +53,34 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
             disagree = {
                 j for j in range(len(first)) if any(s[j] != first[j] for s in signatures[1:])
             }
-            if not disagree - dense:
+            new = disagree - dense
+            if not new:
                 raise
-            dense |= disagree
+            for j in sorted(new):
+                if not _retype_callbacks(j, branches, signatures, templates, retyped):
+                    dense.add(j)
+
+
+def _retype_callbacks(j: int, branches, signatures, templates, retyped) -> bool:
+    """Give output `j` of the branches that compute it with a host callback the
+    Value type the other branches agree on; `False` when they do not agree, or
+    when a branch that disagrees computes it otherwise."""
+    values = [i for i in range(len(branches)) if templates[i][j] is not None]
+    if not values or len({_hashable(signatures[i][j]) for i in values}) != 1:
+        return False
+    others = [i for i in range(len(branches)) if i not in values]
+    if any(j in retyped[i] for i in others):
+        return False
+    producers = [callback_outputs(branches[i]) for i in others]
+    if not all(j in found for found in producers):
+        return False
+    for i in others:
+        retyped[i][j] = templates[values[0]][j]
+    return True
+
+
+def _hashable(signature) -> str:
+    return repr(signature)
 
 
 def _to_dense_output(value, index: int):

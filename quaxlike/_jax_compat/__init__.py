@@ -19,6 +19,14 @@ keeps it, and the fallback. The rest of quaxlike imports only this package.
 """
 
 from .._diagnostics import JaxCompatibilityError as JaxCompatibilityError
+from ._equinox import (
+    callback_host_function as callback_host_function,
+    create_vprim as create_vprim,
+    filter_primitive_rules as filter_primitive_rules,
+    FILTER_PRIMITIVES_FOUND as FILTER_PRIMITIVES_FOUND,
+    leafwise_identity_primitives as leafwise_identity_primitives,
+    select_if_vmap_p as select_if_vmap_p,
+)
 from ._primitives import (
     call_p as call_p,
     closed_call_p as closed_call_p,

@@ -325,6 +325,24 @@ def test_constant_zeros_have_every_unit(getseed):
         jax.jit(quaxlike.quaxify(lambda x, zero: x > zero))(x, jnp.zeros(4))
 
 
+def test_the_float_next_to_zero_fits_every_unit():
+    # Equinox's `nextafter`/`prevbefore` (diffrax steps just past a time with
+    # them) flush the denormal next to 0 to the smallest normal number, beside a
+    # time in seconds: that number stands for 0, not for an amount in some unit.
+    import equinox.internal as eqxi
+
+    t = Unitful(jnp.array([0.0, 1.5, -2.0], jnp.float32), s)
+    for fn in (eqxi.nextafter, eqxi.prevbefore):
+        got = jax.jit(quaxlike.quaxify(fn))(t)
+        assert got.unit == s
+        np.testing.assert_array_equal(got.array, fn(t.array))
+    tiny = float(jnp.finfo(jnp.float32).tiny)
+    assert quaxlike.quaxify(lambda t: jnp.where(t > 0, t, -tiny))(t).unit == s
+    # Any other plain number beside a time in seconds is still refused.
+    with pytest.raises(UnitError, match="`select_n` got a plain array"):
+        quaxlike.quaxify(lambda t: jnp.where(t > 0, t, 2 * tiny))(t)
+
+
 def test_grad_inside_through_where(getseed):
     # The transpose of `select_n` fills the other branch's cotangent with zeros
     # made inside the transposed `jnp.where`: values known while tracing, which

@@ -54,14 +54,21 @@ def known_value(x: Any) -> np.ndarray | None:
 
 
 def fits_every_unit(x: Any) -> bool:
-    """Whether the plain operand `x` is known to be 0, +-inf or NaN everywhere."""
+    """Whether the plain operand `x` is known to be 0, +-inf or NaN everywhere.
+
+    The dtype's smallest normal number (`+-finfo.tiny`) counts as 0: it is what
+    floating point puts in place of the number next to 0 (Equinox's `nextafter`
+    and `prevbefore`, which diffrax uses to step just past a time, flush the
+    denormal next to 0 to it), not an amount measured in some unit."""
     value = known_value(x)
     if value is None:
         return False
     if value.dtype == object:
         return False
     if np.issubdtype(value.dtype, np.inexact):
-        return bool(np.all((value == 0) | np.isinf(value) | np.isnan(value)))
+        tiny = np.finfo(value.dtype).tiny
+        nearly_zero = (value == 0) | (np.abs(value) == tiny)
+        return bool(np.all(nearly_zero | np.isinf(value) | np.isnan(value)))
     return bool(np.all(value == 0))
 
 

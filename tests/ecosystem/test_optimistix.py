@@ -1,0 +1,75 @@
+"""optimistix root finding and least squares on functions holding Values, forward,
+each against the same solve on the dense arrays. (Gradients through the solves,
+by implicit differentiation, are in `test_gradients.py`.)"""
+
+import _ecosystem_values as _cases
+import equinox as eqx
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optimistix as optx
+import pytest
+
+import quaxlike
+from quaxlike.examples.lora import LoraArray
+from quaxlike.examples.quantized import quantize_int8
+
+
+MATRICES = {
+    "lora": _cases.lora_general,
+    "tridiagonal": _cases.tridiagonal,
+    "int8": _cases.int8,
+}
+
+
+def residual(y, args):
+    matrix, b = args
+    return matrix @ y + 0.1 * jnp.tanh(y) - b
+
+
+def root(matrix, b, solver):
+    return optx.root_find(residual, solver, jnp.zeros_like(b), args=(matrix, b), max_steps=64).value
+
+
+def least_squares(matrix, b, solver):
+    return optx.least_squares(
+        residual, solver, jnp.zeros_like(b), args=(matrix, b), max_steps=64
+    ).value
+
+
+SOLVERS = {
+    "root:Newton": (root, lambda: optx.Newton(rtol=1e-6, atol=1e-6)),
+    "root:Chord": (root, lambda: optx.Chord(rtol=1e-6, atol=1e-6)),
+    "lstsq:GaussNewton": (least_squares, lambda: optx.GaussNewton(rtol=1e-6, atol=1e-6)),
+    "lstsq:LevenbergMarquardt": (
+        least_squares,
+        lambda: optx.LevenbergMarquardt(rtol=1e-6, atol=1e-6),
+    ),
+}
+
+
+# Least squares carries the Jacobian operator (closing over the matrix) in its loop
+# state, whose initial value holds a dense zero in the matrix's place: the carry
+# changes type, so a LoRA or quantised matrix is materialised there and needs
+# `allow_materialise=True` (see docs/with-diffrax-lineax-optimistix.md).
+ALLOWING = {
+    "lora": lambda key: LoraArray(_cases.spd(key), rank=2, key=key, allow_materialise=True),
+    "int8": lambda key: quantize_int8(_cases.spd(key), allow_materialise=True),
+}
+CASES = [(name, s) for name in MATRICES for s in SOLVERS]
+
+
+@pytest.mark.parametrize("name, solver", CASES)
+def test_solve(name, solver):
+    make = MATRICES[name]
+    if solver.startswith("lstsq") and name in ALLOWING:
+        make = ALLOWING[name]
+    matrix = make(jr.key(0))
+    b = jnp.linspace(1.0, 2.0, _cases.N)
+    method, make = SOLVERS[solver]
+    expected = method(_cases.dense_of(matrix), b, make())
+    run = eqx.filter_jit(quaxlike.quaxify(lambda m, v: method(m, v, make())))
+    np.testing.assert_allclose(run(matrix, b), expected, rtol=1e-4, atol=1e-5)
+    if solver.startswith("root"):
+        report = quaxlike.explain(lambda m, v: method(m, v, make()))(matrix, b)
+        assert not report.materialised, report
