@@ -175,7 +175,7 @@ def test_diffrax_implicit_adjoint_of_a_steady_state():
             y0=jnp.zeros(_cases.N),
             args=b,
             stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-6),
-            event=diffrax.Event(diffrax.steady_state_event()),
+            event=diffrax.Event(diffrax.steady_state_event(rtol=1e-4, atol=1e-4)),
             adjoint=diffrax.ImplicitAdjoint(),
             max_steps=256,
         ).ys[-1]
