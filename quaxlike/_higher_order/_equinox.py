@@ -42,6 +42,7 @@ from .._quaxify import lifted_call
 from .._rules import add_rule_provider, register
 from .._values import materialise_value, Value
 from ._common import AnyValue, to_dense
+from ._leaf_derivatives import dense_tangent
 
 
 _VALUE_TANGENT_OUT = (
@@ -49,12 +50,6 @@ _VALUE_TANGENT_OUT = (
     "tangent, which a {type_name}'s array leaves cannot carry: {type_name} declares "
     "`structured_tangents = False`. Differentiate with respect to the dense array "
     "instead, or give {type_name} a rule for `{primitive}`."
-)
-_DENSE_TANGENT_REFUSED = (
-    "The JVP rule of `{primitive}` needs the tangent of a {type_name} operand as one "
-    "dense array: {type_name} declares `structured_tangents = False` (the tangent of "
-    "the array it stands for is not a {type_name} of its leaves' tangents), and "
-    "building that tangent failed: {error}"
 )
 _LINEAR_VALUE_OPERAND = (
     "`{primitive}` is being transposed with respect to a {type_name} operand "
@@ -159,25 +154,13 @@ def _operand_tangent(x: Any, leaf_tangents: list, primitive) -> Any:
 def _value_tangent(value: Value, leaf_tangents: list, primitive) -> Any:
     """The tangent of the Value `value` (not all of whose leaves' tangents are
     zero): a Value of its type holding the leaves' tangents where its tangents
-    are structured, else the JVP of its `materialise()`."""
+    are structured, else the dense tangent of the array it stands for (the JVP of
+    `dense_for_derivatives()`, which raises naming the type if it refuses)."""
     arrays, layout = _split(value)
     tangents = [_zero_tangent(a) if _is_zero(t) else t for a, t in zip(arrays, leaf_tangents)]
     if _structured(value):
         return _join([layout], tangents)[0]
-
-    def dense(*leaves):
-        return materialise_value(_join([layout], leaves)[0], primitive)
-
-    try:
-        return jax.jvp(dense, arrays, tangents)[1]
-    except QuaxlikeError:
-        raise
-    except Exception as error:  # the type's own refusal, whatever its class
-        raise QuaxlikeError(
-            _DENSE_TANGENT_REFUSED.format(
-                primitive=primitive.name, type_name=type(value).__name__, error=error
-            )
-        ) from error
+    return dense_tangent(value, tangents, primitive)
 
 
 def _tangents_out(primals_out: list, tangents_out: list, primitive) -> list:

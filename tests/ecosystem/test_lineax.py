@@ -107,6 +107,29 @@ def test_cg_gradient_wrt_a_tridiagonal_operator():
     )
 
 
+@pytest.mark.parametrize("solver", ["CG", "GMRES"])
+def test_gradient_wrt_the_lora_factors_of_an_operator(solver):
+    # The solve's JVP needs the operator's tangent, the dense tangent of W + A B
+    # (`dense_for_derivatives`): built inside `jit`, so nothing is materialised.
+    lora = _cases.lora_spd(jr.key(3))
+    vector = jnp.linspace(1.0, 2.0, _cases.N)
+    solve = _solve(solver)
+    factors = (lora.a, lora.b)  # W + A B symmetric, as CG needs
+
+    def loss_value(factors):
+        matrix = LoraArray.from_factors(lora.w, *factors)
+        return jnp.sum(quaxlike.quaxify(solve)(matrix, vector) ** 2)
+
+    def loss_dense(factors):
+        a, b = factors
+        return jnp.sum(jnp.linalg.solve(jax.lax.stop_gradient(lora.w) + a @ b, vector) ** 2)
+
+    got, expected = jax.grad(loss_value)(factors), jax.grad(loss_dense)(factors)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-3, atol=1e-6)
+    assert not quaxlike.explain(jax.grad(loss_value))(factors).materialised
+
+
 def test_cg_under_vmap_over_right_hand_sides():
     matrix, vector, dense = _operands("lora")
     vectors = jnp.stack([vector, 2 * vector, -vector])
