@@ -369,3 +369,23 @@ def test_symbolic_zero_rule_under_jit_with_each_argument():
     # traceback holds, with an error of its own.)
     with jax.check_tracer_leaks(False), pytest.raises(quaxlike.QuaxlikeError, match="symbolic"):
         jax.grad(traced, 1)(a, b)
+
+
+@jax.custom_vjp
+def _sine(x):
+    return jnp.sin(x)
+
+
+_sine.defvjp(lambda x: (jnp.sin(x), x), lambda x, ct: (ct * jnp.cos(x),))
+
+
+@pytest.mark.parametrize("function", [jax.nn.relu, _sine], ids=["custom_jvp", "custom_vjp"])
+def test_derivative_at_a_python_number(function):
+    # JAX hands the rules a Python number it differentiates at as a typed scalar
+    # (JAX's nn_test and lax_scipy_test do this through `check_grads`).
+    def through_quaxify(x):
+        return _plain(quaxlike.quaxify(function)(quaxlike.DenseArrayValue(x)))
+
+    assert jax.grad(through_quaxify)(1.0) == jax.grad(function)(1.0)
+    if function is jax.nn.relu:  # a custom_vjp function has no forward mode
+        assert jax.jvp(through_quaxify, (1.0,), (1.0,)) == jax.jvp(function, (1.0,), (1.0,))

@@ -46,16 +46,20 @@ def _is_inexact(x) -> bool:
 _SCALARS = (bool, int, float, complex, np.generic)
 
 
+def _as_arrays(items) -> list:
+    """`items` with NumPy and Python scalars as arrays. A plain output may be a
+    scalar (a jaxpr's literal) in one computation and an array in another, and
+    JAX hands derivative rules a Python number it differentiates at as a typed
+    scalar: as arrays they are leaves everywhere (`eqx.is_array` is false for
+    scalars)."""
+    return [jnp.asarray(x) if isinstance(x, _SCALARS) else x for x in items]
+
+
 class _Flattened:
     """The array leaves of a list of values (Values flattened), and the way back."""
 
     def __init__(self, values):
-        # A plain output may be a NumPy or Python scalar (a jaxpr's literal) in one
-        # computation and an array in another: as an array it is always a leaf.
-        values = [
-            jnp.asarray(v) if not isinstance(v, Value) and isinstance(v, _SCALARS) else v
-            for v in values
-        ]
+        values = _as_arrays(values)
         dynamic, self.static = eqx.partition(values, eqx.is_array)
         self.leaves, self.treedef = jtu.tree_flatten(dynamic)
         # For each position, the slice of `leaves` it owns, and whether it is a Value.
@@ -153,6 +157,7 @@ def custom_jvp_call_p_values(*values: AnyValue, fun, jvp, symbolic_zeros: bool, 
         return out.take_leaves()
 
     def leaf_function_jvp(primals, tangents):
+        primals = _as_arrays(primals)
         primal_values = inputs.rebuild(primals)
         rule_tangents = [
             _rule_tangent(inputs, position, primals, tangents)
@@ -330,7 +335,7 @@ def custom_vjp_call_p_values(
     def leaf_fwd(*primals):
         # Registered with symbolic zeros, so JAX says which leaves are perturbed;
         # a Value is perturbed when any of its leaves is.
-        leaves = [p.value for p in primals]
+        leaves = _as_arrays([p.value for p in primals])
         perturbed = [any(p.perturbed for p in primals[a:b]) for a, b in inputs.spans]
         in_perturbed[:] = [perturbed]
         in_values = inputs.rebuild(leaves)
