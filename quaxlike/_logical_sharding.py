@@ -295,6 +295,8 @@ def leaf_specs(value: Any, spec: PartitionSpec | None, mesh: Any = None) -> Any:
     spec = PartitionSpec() if spec is None else spec
     if not isinstance(value, Value):
         return spec
+    if not jtu.tree_leaves(value):
+        return value  # no arrays (a symbolic zero, one half of a partitioned Value)
     declared = getattr(value, "logical_leaf_specs", None)
     specs = declared(spec) if declared is not None else _generic_leaf_specs(value, spec)
     return _checked(value, spec, specs, mesh)

@@ -134,7 +134,7 @@ class LowRankValue(quaxlike.ArrayValue):
         """The number of axes of the array this value stands for, read from
         whichever of `w`, `a`, `b` is present (one half of a partitioned model
         holds only some)."""
-        if self.w is not None:
+        if jax.tree_util.tree_leaves(self.w):  # not the trainable half's empty `w`
             return len(shape_of(self.w))
         return self._ndim_from_factors()
 
