@@ -18,15 +18,17 @@ factors all split along the same logical rows.
   inside the layer loop, gathers its weights (as stored: a quantised weight's
   packed codes, never the dequantised weight) for that layer only.
 
-A rule's spec is a `PartitionSpec` or a function `(path, shape) -> PartitionSpec
-| None` of the dotted path and the logical shape (`None`: ask the next rule). The
-first rule that selects a leaf and gives a spec wins; other leaves are
-replicated.
+A rule's spec is a `PartitionSpec`, a list of them (the first the leaf can follow
+is taken), or a function `(path, shape)` of the dotted path and the logical
+shape returning either (or `None`: ask the next rule). The first rule that
+selects a leaf and gives a spec wins; other leaves are replicated. A spec no
+candidate of which the leaf can follow is an error (`LogicalShardingError`).
 """
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.tree_util as jtu
 from jax.sharding import NamedSharding, PartitionSpec
@@ -39,7 +41,11 @@ from .selection import as_selection, dotted_path, is_value, selected
 
 __all__ = ["columns", "fsdp", "gathered", "model_shardings", "rows", "shard"]
 
-SpecRule = PartitionSpec | Callable[[str, tuple[int, ...]], PartitionSpec | None]
+SpecRule = (
+    PartitionSpec
+    | list[PartitionSpec]
+    | Callable[[str, tuple[int, ...]], PartitionSpec | list[PartitionSpec] | None]
+)
 
 
 def _shape(leaf: Any) -> tuple[int, ...] | None:
@@ -98,12 +104,41 @@ def model_shardings(model: PyTree, mesh: Any, rules: Sequence[tuple[Any, SpecRul
                 continue
             spec = rule(dotted_path(path), shape) if callable(rule) else rule
             if spec is not None:
-                specs[i] = spec
+                specs[i] = _first_followed(leaf, spec, mesh)
     out = []
     for (_, leaf), spec in zip(leaves, specs):
         placeable = is_value(leaf) or isinstance(leaf, jax.Array | jax.ShapeDtypeStruct)
         out.append(NamedSharding(mesh, spec or PartitionSpec()) if placeable else None)
     return jtu.tree_unflatten(treedef, out)
+
+
+def _first_followed(leaf: Any, spec: Any, mesh: Any) -> PartitionSpec:
+    """`spec`, or of a list of specs the first that `leaf` can follow (a Value's
+    leaves, or an array's axes divisible by the mesh); otherwise the first one's
+    error."""
+    candidates = list(spec) if isinstance(spec, list) else [spec]
+    first_error = None
+    for candidate in candidates:
+        try:
+            quaxlike.leaf_specs(leaf, candidate, mesh)
+            _check_divisible(leaf, candidate, mesh)
+        except quaxlike.LogicalShardingError as error:
+            first_error = first_error or error
+            continue
+        return candidate
+    assert first_error is not None
+    raise first_error
+
+
+def _check_divisible(leaf: Any, spec: PartitionSpec, mesh: Any) -> None:
+    if is_value(leaf):
+        return  # checked leaf by leaf by `leaf_specs`
+    for axis, (size, entry) in enumerate(zip(getattr(leaf, "shape", ()), tuple(spec))):
+        if entry is not None and size % _axis_size(mesh, entry):
+            raise quaxlike.LogicalShardingError(
+                f"An array of shape {tuple(leaf.shape)} cannot be split by {spec}: "
+                f"{_axis_size(mesh, entry)} devices do not divide axis {axis} ({size})."
+            )
 
 
 def shard(model: PyTree, mesh: Any, rules: Sequence[tuple[Any, SpecRule]] = ()) -> PyTree:
@@ -143,9 +178,11 @@ def _axis_size(mesh: Any, axis: Any) -> int:
 
 def fsdp(mesh: Any, axis: Any = "data", *, min_size: int = 0) -> SpecRule:
     """A spec rule for fully sharded data parallelism: each leaf split along mesh
-    axis `axis` on its rows (the last axis but one), or, where `axis`'s size does
-    not divide them, its last axis; leading axes (a stack of layers) are kept
-    whole, so that a layer loop takes one layer at a time.
+    axis `axis` on its rows (the last axis but one), or, where it cannot be
+    (`axis`'s size does not divide them, or a Value's leaves cannot follow the
+    split), on its last axis, or else, as a last resort asked for by this rule,
+    replicated; leading axes (a stack of layers) are kept whole, so that a layer
+    loop takes one layer at a time.
 
     **Arguments:**
 
@@ -155,8 +192,8 @@ def fsdp(mesh: Any, axis: Any = "data", *, min_size: int = 0) -> SpecRule:
 
     **Returns:**
 
-    A function `(path, shape) -> PartitionSpec | None` for `model_shardings`:
-    `None` (replicated, unless a later rule places it) when no axis divides.
+    A function `(path, shape) -> list of PartitionSpec` for `model_shardings`,
+    which takes the first spec the leaf can follow.
 
     !!! example
 
@@ -164,19 +201,21 @@ def fsdp(mesh: Any, axis: Any = "data", *, min_size: int = 0) -> SpecRule:
         from jax.sharding import PartitionSpec as P
 
         mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-        assert fsdp(mesh)("layers.weight", (80, 8192, 1024)) == P(None, "data", None)
+        assert fsdp(mesh)("layers.weight", (80, 8192, 1024))[0] == P(None, "data", None)
         ```
     """
     size = _axis_size(mesh, axis)
 
-    def rule(path: str, shape: tuple[int, ...]) -> PartitionSpec | None:
+    def rule(path: str, shape: tuple[int, ...]) -> list[PartitionSpec] | None:
         if not shape or _count(shape) < max(min_size, 1):
             return None
-        candidates = [len(shape) - 2, len(shape) - 1] if len(shape) >= 2 else [0]
-        for i in candidates:
-            if shape[i] % size == 0:
-                return PartitionSpec(*[axis if j == i else None for j in range(len(shape))])
-        return None
+        axes = [len(shape) - 2, len(shape) - 1] if len(shape) >= 2 else [0]
+        specs = [
+            PartitionSpec(*[axis if j == i else None for j in range(len(shape))])
+            for i in axes
+            if shape[i] % size == 0
+        ]
+        return [*specs, PartitionSpec()]
 
     return rule
 
@@ -274,4 +313,12 @@ def gathered(layer: PyTree, mesh: Any) -> PyTree:
         y = jax.jit(quaxlike.quaxify(lambda m, x: gathered(m, mesh)(x)))(layer, jnp.ones(64))
         ```
     """
-    return quaxlike.with_sharding_constraint(layer, NamedSharding(mesh, PartitionSpec()))
+    # Behind a barrier, the layer is its own arrays (the slice of this layer out of
+    # a stack of layers) when gathered: without it XLA may gather the slice
+    # before it is cut out of the stack, and XLA:CPU then copies every stacked
+    # weight into the layout that gather wants (16 GiB of a 70B model's codes per
+    # device on 2 devices).
+    arrays, static = eqx.partition(layer, eqx.is_array)
+    arrays = jax.lax.optimization_barrier(arrays)
+    whole = NamedSharding(mesh, PartitionSpec())
+    return eqx.combine(quaxlike.with_sharding_constraint(arrays, whole), static)
