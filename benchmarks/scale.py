@@ -419,6 +419,14 @@ def main(argv=None):
     )
     parser.add_argument("--batch", nargs="+", type=int, default=[2], help="sequences per step")
     parser.add_argument(
+        "--plans",
+        nargs="+",
+        choices=("fsdp", "xla"),
+        default=("fsdp",),
+        help="fsdp: each block gathered as stored in the layer loop, activations split by "
+        "batch; xla: the same placement, the rest left to XLA's sharding propagation",
+    )
+    parser.add_argument(
         "--sharded-only",
         action="store_true",
         help="only the --devices tables (no one-device table)",
@@ -599,6 +607,7 @@ def sharded_tables(shape: Shape, args, optimiser, nf4: bool) -> None:
         f"seq {shape.seq}; FSDP over N fake CPU devices)",
         [
             "step",
+            "plan",
             "N",
             "batch",
             "peak / device",
@@ -617,11 +626,11 @@ def sharded_tables(shape: Shape, args, optimiser, nf4: bool) -> None:
             continue
         for n in args.devices:
             if n > available:
-                table.add(name, str(n), "-", f"only {available} devices", *["-"] * 6)
+                table.add(name, "-", str(n), "-", f"only {available} devices", *["-"] * 6)
                 continue
-            for batch in args.batch:
+            for plan, batch in [(p, b) for p in args.plans for b in args.batch]:
                 memory = dict(chunks_for(shape, args))
-                if n > 1:
+                if n > 1 and plan == "fsdp":
                     memory["layer_mesh"] = _sharded_mesh(n)
                 build, _ = VARIANTS[name]
                 state, _ = abstract_state(shape, build, optimiser, memory)
@@ -633,6 +642,7 @@ def sharded_tables(shape: Shape, args, optimiser, nf4: bool) -> None:
                 d = describe(r)
                 table.add(
                     name,
+                    plan,
                     str(n),
                     f"{batch} x {shape.seq}",
                     h.fmt_bytes(r.peak),

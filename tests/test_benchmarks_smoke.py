@@ -182,6 +182,6 @@ def test_scale_devices_quick():
     assert [row.split("|")[1].strip() for row in rows] == ["QLoRA 4 bits", "QLoRA NF4"]
     for row in rows:
         cells = [cell.strip() for cell in row.split("|")[1:-1]]
-        assert cells[1] == "2" and cells[3].endswith("B")  # N, a peak in bytes
-        assert "all-gather" in cells[7] and "u8" in cells[8]  # codes gathered
-        assert cells[9] == "0"  # no dequantised weight gathered
+        assert cells[1:3] == ["fsdp", "2"] and cells[4].endswith("B")  # a peak in bytes
+        assert "all-gather" in cells[8] and "u8" in cells[9]  # codes gathered
+        assert cells[10] == "0"  # no dequantised weight gathered
