@@ -158,6 +158,7 @@ def test_eager_ops_beside_quax():
     assert "| quax " in header and "| quaxlike " in header, header
 
 
+@pytest.mark.slow  # two compilations on two fake devices: about a minute on two cores
 def test_scale_devices_quick():
     """`scale.py --devices 2` compiles the tiny model's QLoRA steps over two fake
     devices (FSDP): its table, and the HLO check that only packed codes (`uint8`)
