@@ -191,12 +191,19 @@ def _generic_leaf_specs(value: Value, spec: PartitionSpec) -> Any:
     shape = tuple(value.aval().shape)  # pyright: ignore
     entries = logical_entries(spec, len(shape))
     specs = []
+    free = PartitionSpec.UNCONSTRAINED
     for path, leaf in _array_leaves_with_paths(value):
         leaf_shape = tuple(getattr(leaf, "shape", ()))
+        if len(leaf_shape) != len(shape) and not any(map(_names, entries)):
+            # No split to follow; an axis left to the compiler leaves the leaf to it.
+            specs.append(
+                PartitionSpec(*[free] * len(leaf_shape)) if free in entries else PartitionSpec()
+            )
+            continue
         leaf_entries = []
         for axis, entry in enumerate(entries):
             if not _names(entry):
-                leaf_entries.append(None)
+                leaf_entries.append(entry if entry is free else None)
                 continue
             if len(leaf_shape) != len(shape) or leaf_shape[axis] != shape[axis]:
                 raise cannot_follow(
