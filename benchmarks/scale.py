@@ -642,7 +642,7 @@ def sharded_tables(shape: Shape, args, optimiser, nf4: bool) -> None:
                 d = describe(r)
                 table.add(
                     name,
-                    plan,
+                    plan if n > 1 else "-",
                     str(n),
                     f"{batch} x {shape.seq}",
                     h.fmt_bytes(r.peak),
