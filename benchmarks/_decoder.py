@@ -11,8 +11,10 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from quaxlike.examples.lora import LoraArray
+from quaxlike.examples.sharding import gathered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +39,10 @@ SHAPES = {
     # Mistral-7B / Llama-2-7B-shaped (with grouped-query attention): 7.24 B parameters.
     "8b": Shape(
         "8B", dim=4096, layers=32, heads=32, kv_heads=8, hidden=14336, vocab=32000, seq=2048
+    ),
+    # Llama-2-70B-shaped: 68.98 B parameters.
+    "70b": Shape(
+        "70B", dim=8192, layers=80, heads=64, kv_heads=8, hidden=28672, vocab=32000, seq=2048
     ),
     # TinyLlama-1.1B-shaped: 1.10 B parameters.
     "1b": Shape(
@@ -169,6 +175,10 @@ class Decoder(eqx.Module):
     attention_chunk: int = eqx.field(static=True)
     loss_chunk: int = eqx.field(static=True)
     mlp_chunk: int = eqx.field(static=True)
+    # Fully sharded data parallelism: the mesh whose devices each hold a slice of
+    # every weight; each block's weights are gathered (as stored: packed codes)
+    # inside the layer loop, and its input kept split by batch.
+    layer_mesh: Any = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -178,6 +188,7 @@ class Decoder(eqx.Module):
         attention_chunk: int = 0,
         loss_chunk: int = 0,
         mlp_chunk: int = 0,
+        layer_mesh: Any = None,
     ):
         k_embed, k_blocks, k_head = jr.split(key, 3)
         self.embedding = jr.normal(k_embed, (shape.vocab, shape.dim), jnp.bfloat16)
@@ -189,6 +200,7 @@ class Decoder(eqx.Module):
         )
         self.attention_chunk, self.loss_chunk = attention_chunk, loss_chunk
         self.mlp_chunk = mlp_chunk
+        self.layer_mesh = layer_mesh
 
     def hidden(self, tokens):
         """The final hidden states `(seq, dim)` of `tokens: (seq,)`."""
@@ -202,6 +214,11 @@ class Decoder(eqx.Module):
 
         @jax.checkpoint
         def block(x, leaves):
+            if self.layer_mesh is not None:
+                leaves = gathered(leaves, self.layer_mesh)
+                # Under `jax.vmap(..., spmd_axis_name=...)`: split by batch only.
+                whole = NamedSharding(self.layer_mesh, PartitionSpec())
+                x = lax.with_sharding_constraint(x, whole)
             return eqx.combine(leaves, static)(
                 x, cos, sin, self.attention_chunk, self.mlp_chunk
             ), None

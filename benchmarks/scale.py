@@ -74,6 +74,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _fake_devices  # noqa: F401  (before JAX: fake devices for --devices)
 import _harness as h
 import equinox as eqx
 import jax
@@ -81,6 +82,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import optax
 from _decoder import Decoder, hand_lora, hand_trainable, Shape, SHAPES
+from _sharded import describe, measure_sharded, sharded_loss, weight_shapes
 
 import quaxlike
 from quaxlike.examples.lora import loraify, partition, qlora
@@ -407,7 +409,35 @@ def main(argv=None):
         "--repeats", type=int, default=None, help="interleaved trace timings of LoRA and hand (5)"
     )
     parser.add_argument("--cold", action="store_true", help="ignored")
-    parser.add_argument("--models", nargs="+", choices=("8b", "1b"), default=("8b", "1b"))
+    parser.add_argument("--models", nargs="+", choices=("70b", "8b", "1b"), default=("8b", "1b"))
+    parser.add_argument(
+        "--devices",
+        nargs="+",
+        type=int,
+        help="also compile the QLoRA steps sharded FSDP-style over N fake CPU devices "
+        "(each N given), with --batch sequences",
+    )
+    parser.add_argument("--batch", nargs="+", type=int, default=[2], help="sequences per step")
+    parser.add_argument(
+        "--plans",
+        nargs="+",
+        choices=("fsdp", "xla"),
+        default=("fsdp",),
+        help="fsdp: each block gathered as stored in the layer loop, activations split by "
+        "batch; xla: the same placement, the rest left to XLA's sharding propagation",
+    )
+    parser.add_argument(
+        "--sharded-only",
+        action="store_true",
+        help="only the --devices tables (no one-device table)",
+    )
+    parser.add_argument(
+        "--sharded-rows",
+        nargs="+",
+        choices=("QLoRA 4 bits", NF4),
+        default=("QLoRA 4 bits", NF4),
+        help="the steps compiled over several devices",
+    )
     rows = (*VARIANTS, WHOLE)
     parser.add_argument("--only", nargs="+", choices=rows, help="these rows only")
     for name, what in (("attention", "queries"), ("mlp", "positions"), ("loss", "positions")):
@@ -459,7 +489,13 @@ def main(argv=None):
             f"{'not checked (--no-check)' if args.no_check else same_results(tiny)}",
         ],
     )
+    if args.quick and not args.devices and not args.only:
+        sharded_quick_subprocess()
     for shape in shapes:
+        if args.devices:
+            sharded_tables(shape, args, optimiser, nf4)
+        if args.sharded_only:
+            continue
         dense = n_params(eqx.filter_eval_shape(Decoder, shape, jr.key(0)))
         memory = chunks_for(shape, args)
         results: dict[str, Result | None] = {}
@@ -547,6 +583,94 @@ def main(argv=None):
             for size, name in live_at_peak(args.dump):
                 print(f"- {h.fmt_bytes(size)}: {name}")
             print()
+
+
+def sharded_quick_subprocess() -> None:
+    """The quick mode's multi-device table (the tiny model on 2 devices), in a
+    process of its own: fake devices only take effect before JAX starts."""
+    import subprocess
+
+    command = [sys.executable, os.path.abspath(__file__), "--quick", "--devices", "2"]
+    result = subprocess.run([*command, "--sharded-only"], capture_output=True, text=True)
+    # Its table only: this process has printed the header (machine, versions).
+    title = "### Sharded"
+    print(title + result.stdout.split(title, 1)[-1] if title in result.stdout else "", end="")
+    if result.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+
+
+def sharded_tables(shape: Shape, args, optimiser, nf4: bool) -> None:
+    """The QLoRA steps of `shape` compiled over each `--devices` count (FSDP, every
+    Value split by its logical rows, each block gathered in the layer loop as
+    stored), for each `--batch`: per-device memory, compile time and the bytes of
+    each collective per step."""
+    table = h.Table(
+        f"Sharded fine-tuning step, {shape.name} (d={shape.dim}, {shape.layers} layers, "
+        f"seq {shape.seq}; FSDP over N fake CPU devices)",
+        [
+            "step",
+            "plan",
+            "N",
+            "batch",
+            "peak / device",
+            "arguments",
+            "temporaries",
+            "compile",
+            "collectives per step (per device)",
+            "all-gathered, by dtype",
+            "dequantised weights gathered",
+        ],
+    )
+    available = jax.device_count()
+    weights = weight_shapes(shape)
+    for name in args.sharded_rows:
+        if name == NF4 and not nf4:
+            continue
+        for n in args.devices:
+            if n > available:
+                table.add(name, "-", str(n), "-", f"only {available} devices", *["-"] * 6)
+                continue
+            for plan, batch in [(p, b) for p in args.plans for b in args.batch]:
+                memory = dict(chunks_for(shape, args))
+                if n > 1 and plan == "fsdp":
+                    memory["layer_mesh"] = _sharded_mesh(n)
+                build, _ = VARIANTS[name]
+                state, _ = abstract_state(shape, build, optimiser, memory)
+                loss = sharded_loss(lambda m, t, y: m.loss(t, y))
+                r = measure_sharded(
+                    shape, state, loss, optimiser, h.training_step, n, batch, weights,
+                    peak_bytes=h.peak_bytes,
+                )  # fmt: skip
+                d = describe(r)
+                table.add(
+                    name,
+                    plan if n > 1 else "-",
+                    str(n),
+                    f"{batch} x {shape.seq}",
+                    h.fmt_bytes(r.peak),
+                    h.fmt_bytes(r.arguments),
+                    h.fmt_bytes(r.temporaries),
+                    h.fmt_time(r.compile_s),
+                    d["moved"],
+                    d["gathered"],
+                    str(r.dequantised),
+                )
+                sys.stdout.flush()
+    table.print(
+        [
+            "peak = arguments + outputs + temporaries - aliased, per device (memory_analysis() "
+            "of the partitioned program); collectives: the bytes of each collective's result "
+            "on one device times the trip counts of the loops around it (optimised HLO)",
+            "dequantised weights gathered: floating-point all-gathers shaped like a "
+            "projection's (out, in), which must be 0 (only packed codes and scales move)",
+        ]
+    )
+
+
+def _sharded_mesh(n: int):
+    from _sharded import make_mesh
+
+    return make_mesh(n)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,18 @@ from ._diagnostics import (
     CarryMaterialisationError as CarryMaterialisationError,
     ConflictingDefaultsError as ConflictingDefaultsError,
     JaxCompatibilityError as JaxCompatibilityError,
+    LogicalShardingError as LogicalShardingError,
     MaterialisationError as MaterialisationError,
     QuaxlikeError as QuaxlikeError,
     ValueNotLiftedError as ValueNotLiftedError,
 )
 from ._explain import explain as explain, Report as Report
+from ._logical_sharding import (
+    device_put as device_put,
+    leaf_shardings as leaf_shardings,
+    leaf_specs as leaf_specs,
+    with_sharding_constraint as with_sharding_constraint,
+)
 from ._operators import ArrayOperators as ArrayOperators
 from ._policy import materialise_policy as materialise_policy
 from ._quaxify import quaxify as quaxify

@@ -94,6 +94,29 @@ class MaterialisationError(QuaxlikeError, RuntimeError):
     """
 
 
+class LogicalShardingError(QuaxlikeError, ValueError):
+    """A Value's leaves cannot follow the `PartitionSpec` given for the array it
+    stands for (see `quaxlike.leaf_specs`).
+
+    The message names the type, the spec, the logical axis and the leaf that
+    cannot be split, and the ways out: shard another axis, replicate this one, or
+    materialise the Value first. Raised rather than replicating a leaf silently.
+
+    !!! example
+
+        ```python
+        from jax.sharding import PartitionSpec as P
+        from quaxlike.examples.sparse import BCOO
+
+        sparse = BCOO.fromdense(jnp.eye(4))
+        try:
+            quaxlike.leaf_specs(sparse, P("data"))
+        except quaxlike.LogicalShardingError as error:
+            print(error)  # BCOO cannot follow ... axis 0 ...
+        ```
+    """
+
+
 class ConflictingDefaultsError(QuaxlikeError, TypeError):
     """A primitive has no rule for its argument types, and more than one of
     them overrides `Value.default`. Also a `TypeError`, as in Quax.

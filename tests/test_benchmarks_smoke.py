@@ -156,3 +156,33 @@ def test_eager_ops_beside_quax():
     _assert_tables(result.stdout, ("### Eager per-op cost",))
     header = result.stdout.split("### Eager per-op cost", 1)[1].strip().splitlines()[0]
     assert "| quax " in header and "| quaxlike " in header, header
+
+
+@pytest.mark.slow  # two compilations on two fake devices: about a minute on two cores
+def test_scale_devices_quick():
+    """`scale.py --devices 2` compiles the tiny model's QLoRA steps over two fake
+    devices (FSDP): its table, and the HLO check that only packed codes (`uint8`)
+    and scales are gathered, never a dequantised weight."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QUAXLIKE_", "XLA_"))}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    command = [sys.executable, os.path.join("benchmarks", "scale.py"), "--quick"]
+    result = subprocess.run(
+        [*command, "--devices", "2", "--sharded-only"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    title = "### Sharded fine-tuning step, tiny"
+    assert title in result.stdout, result.stdout[-3000:]
+    lines = result.stdout.split(title, 1)[1].splitlines()[2:]
+    assert lines[0].startswith("| step") and set(lines[1]) <= set("|-"), lines[:2]
+    rows = [row for row in lines[2:] if row.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in rows] == ["QLoRA 4 bits", "QLoRA NF4"]
+    for row in rows:
+        cells = [cell.strip() for cell in row.split("|")[1:-1]]
+        assert cells[1:3] == ["fsdp", "2"] and cells[4].endswith("B")  # a peak in bytes
+        assert "all-gather" in cells[8] and "u8" in cells[9]  # codes gathered
+        assert cells[10] == "0"  # no dequantised weight gathered

@@ -14,6 +14,9 @@ and indices) fail the check, and are materialised before the `shard_map`, which
 is always correct. A type can take over by defining a method
 `shard_map_leaf_specs(spec)` returning a PyTree of specs shaped like itself, or
 `None` to be materialised, or by registering its own rule for `shard_map_p`.
+An input whose type declares `logical_leaf_specs` (how its leaves follow a spec
+of the logical array, as `device_put` and `jit` use it) is split that way, and
+materialised where it cannot follow the spec.
 
 The mapped function runs under a fresh `quaxify` inside the `shard_map` body, so
 the rules see per-device Values. Outputs are treated the same way in reverse.
@@ -28,6 +31,8 @@ import jax.tree_util as jtu
 from jax.sharding import PartitionSpec
 
 from .. import _jax_compat as jc
+from .._diagnostics import LogicalShardingError
+from .._logical_sharding import leaf_specs
 from .._quaxify import lifted_call
 from .._rules import register
 from .._values import materialise_value, Value
@@ -125,6 +130,13 @@ def _leaf_specs(value: Value, spec, mesh, *, inside: bool) -> list | None:
     if custom is not None:
         specs = custom(spec)
         if specs is None:
+            return None
+        specs = jtu.tree_leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    elif not inside and hasattr(value, "logical_leaf_specs"):
+        # An input: the type's own declaration, as for `device_put` and `jit`.
+        try:
+            specs = leaf_specs(value, spec, mesh)
+        except LogicalShardingError:
             return None
         specs = jtu.tree_leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     else:
@@ -243,19 +255,32 @@ def pvary_p_value(*xs: AnyValue, axes, **params):
 
 @register(jc.sharding_constraint_p)
 def sharding_constraint_p_value(x: Value, *, sharding, **params):
-    """`lax.with_sharding_constraint` on a Value: each leaf is constrained with
-    the spec worked out as for `shard_map` inputs; a Value whose leaves do not
-    follow its axes is materialised (by the default) instead."""
+    """`lax.with_sharding_constraint` on a Value: each leaf is constrained as the
+    type declares for the array's spec (`quaxlike.leaf_specs`), so an `NF4Array`'s
+    codes and scales follow the same rows. A spec the leaves cannot follow raises
+    `LogicalShardingError`; a sharding without a mesh and spec is left to the
+    default (which materialises)."""
     spec = getattr(sharding, "spec", None)
     mesh = getattr(sharding, "mesh", None)
     if spec is None or mesh is None:
         return NotImplemented
-    leaf_specs = _leaf_specs(x, spec, mesh, inside=False)
-    if leaf_specs is None:
-        return NotImplemented
+    specs = leaf_specs(x, spec, mesh)
     leaves, treedef = jtu.tree_flatten(x)
+    flat_specs = jtu.tree_leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
     constrained = [
         jax.lax.with_sharding_constraint(leaf, sharding.update(spec=leaf_spec))
-        for leaf, leaf_spec in zip(leaves, leaf_specs)
+        for leaf, leaf_spec in zip(leaves, flat_specs)
     ]
     return jtu.tree_unflatten(treedef, constrained)
+
+
+@register(jax.lax.optimization_barrier_p, precedence=-1)
+def optimization_barrier_p_values(*args: AnyValue, **params):
+    """`lax.optimization_barrier` over Values: one barrier over every array leaf
+    of every operand, each Value rebuilt with its own type (a barrier changes no
+    numbers). Types with a rule of their own keep it (this one has the lowest
+    precedence). `quaxlike.examples.sharding.gathered` puts a layer's weights
+    behind one, so that XLA gathers each stored leaf of the layer, not the
+    stack it was sliced from."""
+    leaves, treedef = jtu.tree_flatten(list(args))
+    return jtu.tree_unflatten(treedef, list(jax.lax.optimization_barrier(leaves)))

@@ -2,7 +2,8 @@
 describing it: `lora`, `zero`, `constant`, `hijax` (needs JAX's hijax API),
 `interval`, `quantized`, `sparse`, `structured`, `structured_matrices`, `named`,
 `unitful` and `prng` (for example `quaxlike.examples.lora`), and `selection`, the
-language that picks the weights an adapter or quantiser replaces. Each is
+language that picks the weights an adapter or quantiser replaces, and `sharding`,
+which shards a whole model of Values by rules in that language. Each is
 imported on first use, as in Quax."""
 
 import importlib
@@ -17,6 +18,7 @@ _NAMES = (
     "prng",
     "quantized",
     "selection",
+    "sharding",
     "sparse",
     "structured",
     "structured_matrices",

@@ -30,6 +30,7 @@ import jax.core
 from jaxtyping import ArrayLike
 
 from .. import _hijax_compat as hc
+from .._logical_sharding import with_leaf_specs
 from .._rules import register
 from .._values import ArrayValue
 
@@ -100,6 +101,20 @@ class HiValue(ArrayValue):
     def aval(self) -> jax.core.ShapedArray:
         ty = jax.typeof(self.leaf)
         return jax.core.ShapedArray(ty.shape, ty.dtype)
+
+    def logical_leaf_specs(self, spec: Any) -> "HiValue":
+        """The leaf has the value's shape and follows its sharding (see
+        `quaxlike.leaf_specs`).
+
+        **Arguments:**
+
+        - `spec`: a `PartitionSpec` of the array.
+
+        **Returns:**
+
+        This value with `spec` in place of its leaf.
+        """
+        return with_leaf_specs(self, leaf=spec)
 
     def materialise(self):
         raise ValueError(

@@ -6,6 +6,12 @@ from .._jax_compat import (
     jit_inlines_at_trace as jit_inlines_at_trace,
     ShapedArray as ShapedArray,
 )
+from .._logical_sharding import (
+    cannot_follow as cannot_follow,
+    follow_axes as follow_axes,
+    logical_entries as logical_entries,
+    with_leaf_specs as with_leaf_specs,
+)
 from .._values import (
     array_for_derivatives as array_for_derivatives,
     materialise_value as materialise_value,

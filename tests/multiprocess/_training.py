@@ -1,6 +1,7 @@
 """What the multi-process test trains, shared by its worker processes and by its
 one-process reference: a LoRA (or QLoRA) MLP, a batch, how to place both on a
-mesh, and a few optax steps."""
+mesh (fully sharded data parallelism, by the logical API), and a few optax
+steps."""
 
 import equinox as eqx
 import jax
@@ -13,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import quaxlike
 from quaxlike.examples.lora import LoraArray, loraify, partition
 from quaxlike.examples.quantized import Int4Array, quantize
+from quaxlike.examples.sharding import fsdp, model_shardings
 
 
 IN, WIDTH, OUT, BATCH, RANK, STEPS = 16, 32, 8, 32, 4, 5
@@ -59,20 +61,17 @@ def _global(x, sharding: NamedSharding) -> jax.Array:
 
 
 def place(model, xs, ys, mesh):
-    """The batch split over the mesh axis "data"; the rows of every frozen weight
-    and of every `A` split over "model"; `B`, biases and the rest replicated."""
-    rows, replicated = NamedSharding(mesh, P("model")), NamedSharding(mesh, P())
-
-    def spec(leaf):
-        if _is_lora(leaf):  # W (or its codes and scales) and A by rows, B whole
-            shardings = jax.tree.map(lambda _: rows, leaf)
-            return shardings.with_factors(shardings.w, shardings.a, replicated)
-        return replicated
-
+    """Fully sharded data parallelism over every device of the mesh, with the
+    logical API: each weight (a Value as one: a LoRA's `W`, or its 4-bit codes
+    and scales, and `A`) split by its logical rows over ("data", "model"), as
+    `quaxlike.examples.sharding.fsdp` chooses, each Value's leaves following its
+    type's declaration; the batch split over the same devices."""
+    everywhere = ("data", "model")
     arrays, static = eqx.partition(model, eqx.is_array)
-    shardings = jax.tree.map(spec, arrays, is_leaf=_is_lora)
+    logical = model_shardings(arrays, mesh, [("**", fsdp(mesh, everywhere))])
+    shardings = quaxlike.leaf_shardings(arrays, logical)
     arrays = jax.tree.map(_global, arrays, shardings)
-    batch = NamedSharding(mesh, P("data"))
+    batch = NamedSharding(mesh, P(everywhere))
     return eqx.combine(arrays, static), _global(xs, batch), _global(ys, batch)
 
 
@@ -81,8 +80,10 @@ def train(model, xs, ys, steps: int = STEPS):
     trainable, frozen = partition(model)
     optimiser = optax.adam(1e-2)
 
+    # `frozen` is an argument, not closed over: split across processes, no process
+    # holds all of it.
     @eqx.filter_jit
-    def step(trainable, opt_state, xs, ys):
+    def step(trainable, opt_state, frozen, xs, ys):
         def loss_fn(trainable):
             m = eqx.combine(trainable, frozen)
             return jnp.mean((jax.vmap(quaxlike.quaxify(m))(xs) - ys) ** 2)
@@ -93,6 +94,6 @@ def train(model, xs, ys, steps: int = STEPS):
 
     opt_state, losses = optimiser.init(trainable), []
     for _ in range(steps):
-        trainable, opt_state, loss = step(trainable, opt_state, xs, ys)
+        trainable, opt_state, loss = step(trainable, opt_state, frozen, xs, ys)
         losses.append(float(loss))  # a replicated scalar: every process has it
     return trainable, losses

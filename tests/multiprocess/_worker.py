@@ -38,14 +38,18 @@ def main(process_id: int, port: int, kind: str, out: str) -> None:
 
     assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 8, 4)
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    # The batch axis crosses the processes (so the gradients are reduced across
-    # them); the weights' rows are split over the devices of each process.
+    # The batch and the weights are split over all 8 devices: across processes.
     assert {d.process_index for d in mesh.devices[:, 0]} == {0, 1}
 
     model, xs, ys = _training.place(_training.model(kind), *_training.data(), mesh)
     assert not xs.is_fully_addressable
-    # The weights are split too (the rows of each `A` over "model").
-    assert model.layers[0].weight.a.sharding.spec == P("model")
+    # FSDP: every weight split over all 8 devices of both processes, a QLoRA
+    # weight's codes and scales along the same rows, and its `A` too.
+    everywhere = P(("data", "model"))
+    weight = model.layers[0].weight
+    assert weight.a.sharding.spec == everywhere
+    if kind == "qlora":
+        assert weight.w.packed.sharding.spec == weight.w.scale.sharding.spec == everywhere
     trained, losses = _training.train(model, xs, ys)
     factors = multihost_utils.process_allgather(jax.tree.leaves(trained), tiled=True)
     result = {"losses": losses, "factors": [f.tolist() for f in factors]}

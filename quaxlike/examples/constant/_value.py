@@ -7,10 +7,11 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, ArrayLike, DTypeLike
 
 import quaxlike
-from quaxlike.internal import ShapedArray
+from quaxlike.internal import ShapedArray, with_leaf_specs
 
 
 _NOT_SCALAR_MSG = (
@@ -143,6 +144,19 @@ class Constant(quaxlike.ArrayValue):
         if self._static_value is not None:
             return self._static_value.array
         return self._traced_value
+
+    def logical_leaf_specs(self, spec: Any) -> "Constant":
+        """The one scalar (a traced leaf, or static) stands for every entry: each device keeps it whole, whatever the sharding (see `quaxlike.leaf_specs`).
+
+        **Arguments:**
+
+        - `spec`: a `PartitionSpec` of the array.
+
+        **Returns:**
+
+        This value with a `PartitionSpec` in place of each leaf.
+        """
+        return with_leaf_specs(self, _traced_value=PartitionSpec())
 
     def aval(self) -> ShapedArray:
         return ShapedArray(self._shape, self._dtype)

@@ -9,7 +9,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike
 
 import quaxlike
-from quaxlike.internal import ShapedArray
+from quaxlike.internal import ShapedArray, with_leaf_specs
 
 from ._monotone import conversion_refusal, MONOTONE
 
@@ -63,6 +63,19 @@ class Interval(quaxlike.ArrayValue):
                 f"lo {jnp.shape(self.lo)} and hi {jnp.shape(self.hi)}. Broadcast them "
                 "first (jnp.broadcast_arrays(lo, hi))."
             )
+
+    def logical_leaf_specs(self, spec: Any) -> "Interval":
+        """Both bounds have the value's shape and follow its sharding (see `quaxlike.leaf_specs`).
+
+        **Arguments:**
+
+        - `spec`: a `PartitionSpec` of the array.
+
+        **Returns:**
+
+        This value with a `PartitionSpec` in place of each leaf.
+        """
+        return with_leaf_specs(self, lo=spec, hi=spec)
 
     def aval(self) -> ShapedArray:
         return ShapedArray(jnp.shape(self.lo), jnp.result_type(self.lo, self.hi))

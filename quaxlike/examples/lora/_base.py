@@ -130,6 +130,24 @@ class LowRankValue(quaxlike.ArrayValue):
             )
         return self.dense()
 
+    def logical_ndim(self) -> int:
+        """The number of axes of the array this value stands for, read from
+        whichever of `w`, `a`, `b` is present (one half of a partitioned model
+        holds only some)."""
+        if jax.tree_util.tree_leaves(self.w):  # not the trainable half's empty `w`
+            return len(shape_of(self.w))
+        return self._ndim_from_factors()
+
+    def _ndim_from_factors(self) -> int:
+        return len(shape_of(self.a if self.a is not None else self.b))
+
+    def weight_leaf_specs(self, spec: Any) -> Any:
+        """The specs of `w`'s leaves when the value is sharded by `spec` (`w` has
+        the value's shape): `spec` for a dense `w`, a Value's own declaration
+        otherwise (a quantised `W` of a QLoRA weight splits its codes and scales
+        along the same rows)."""
+        return quaxlike.leaf_specs(self.w, spec)
+
     def dense(self) -> Any:
         """The dense array this value stands for, whatever `allow_materialise` says
         (it is what `materialise()` builds when allowed). `W` is behind

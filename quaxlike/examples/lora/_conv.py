@@ -20,7 +20,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
 import quaxlike
-from quaxlike.internal import cached_rule
+from quaxlike.internal import cached_rule, follow_axes, logical_entries, with_leaf_specs
 
 from ._base import check_rank, check_weight, LowRankValue, shape_of
 from ._value import LoraArray
@@ -196,6 +196,33 @@ class LoraConvKernel(LowRankValue):
             allow_materialise=allow_materialise,
             stop_gradient=stop_gradient,
         )
+
+    def logical_leaf_specs(self, spec: Any) -> "LoraConvKernel":
+        """How `W`, `A` and `B` follow a sharding of the kernel (see
+        `quaxlike.leaf_specs`): `W` like the kernel, `A` along the output
+        channels, `B` along every axis but the output channels (where it holds the
+        rank, never split).
+
+        **Arguments:**
+
+        - `spec`: a `PartitionSpec` of the kernel.
+
+        **Returns:**
+
+        This value with a `PartitionSpec` in place of each leaf.
+        """
+        ndim = self.logical_ndim()
+        entries = logical_entries(spec, ndim)
+        axis = self.out_axis
+        return with_leaf_specs(
+            self,
+            w=self.weight_leaf_specs(spec),
+            a=follow_axes(entries, [axis, None]),
+            b=follow_axes(entries, [None if i == axis else i for i in range(ndim)]),
+        )
+
+    def _ndim_from_factors(self) -> int:
+        return len(shape_of(self.b if self.b is not None else self.a))
 
     def dense_from(self, w: Any, a: Any, b: Any) -> Any:
         """`w + A · B` for this kernel's `out_axis`."""

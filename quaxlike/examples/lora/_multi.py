@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
+from jax.sharding import PartitionSpec
 from jaxtyping import ArrayLike, PRNGKeyArray, PyTree
 
 import quaxlike
-from quaxlike.internal import ShapedArray
+from quaxlike.internal import follow_axes, logical_entries, ShapedArray, with_leaf_specs
 
 from ..selection import dotted_path, is_value
 from ._base import LowRankValue, shape_of
@@ -88,6 +89,35 @@ class MultiLoraArray(LowRankValue):
     def aval(self) -> ShapedArray:
         base = super().aval()
         return ShapedArray((self.count, *base.shape), base.dtype)
+
+    def logical_leaf_specs(self, spec: Any) -> "MultiLoraArray":
+        """How `W`, `A` and `B` follow a sharding of the stack `(N, *batch, m, n)`
+        (see `quaxlike.leaf_specs`): `W`, shared by the adapters, like one of them;
+        `A` and `B` along the adapters and, as in `LoraArray`, `A` along the rows
+        and `B` along the columns.
+
+        **Arguments:**
+
+        - `spec`: a `PartitionSpec` of `(N, *batch, m, n)`.
+
+        **Returns:**
+
+        This value with a `PartitionSpec` in place of each leaf.
+        """
+        ndim = self.logical_ndim()
+        entries = logical_entries(spec, ndim)
+        lead = list(range(ndim - 2))
+        return with_leaf_specs(
+            self,
+            w=self.weight_leaf_specs(PartitionSpec(*entries[1:])),
+            a=follow_axes(entries, [*lead, ndim - 2, None]),
+            b=follow_axes(entries, [*lead, None, ndim - 1]),
+        )
+
+    def logical_ndim(self) -> int:
+        if self.a is not None or self.b is not None:
+            return len(shape_of(self.a if self.a is not None else self.b))
+        return len(shape_of(self.w)) + 1
 
     def dense_from(self, w: Any, a: Any, b: Any) -> Any:
         """The `N` weights `w + a[k] @ b[k]`, stacked."""

@@ -12,6 +12,7 @@ from jax import lax
 from jaxtyping import ArrayLike, PRNGKeyArray
 
 import quaxlike
+from quaxlike.internal import follow_axes, logical_entries, with_leaf_specs
 
 from ._base import check_rank, check_weight, LowRankValue, shape_of
 
@@ -135,6 +136,30 @@ class LoraArray(LowRankValue):
             )
         return cls._from_fields(
             w=w, a=a, b=b, allow_materialise=allow_materialise, stop_gradient=stop_gradient
+        )
+
+    def logical_leaf_specs(self, spec: Any) -> "LoraArray":
+        """How `W`, `A` and `B` follow a sharding of `W + A @ B` (see
+        `quaxlike.leaf_specs`): `W` like the array, `A` along its rows, `B` along
+        its columns, the rank axis never split (so rows or columns of the array
+        split alike leave the factors' product on each device exact).
+
+        **Arguments:**
+
+        - `spec`: a `PartitionSpec` of `(*batch, m, n)`.
+
+        **Returns:**
+
+        This value with a `PartitionSpec` in place of each leaf.
+        """
+        ndim = self.logical_ndim()
+        entries = logical_entries(spec, ndim)
+        lead = list(range(ndim - 2))
+        return with_leaf_specs(
+            self,
+            w=self.weight_leaf_specs(spec),
+            a=follow_axes(entries, [*lead, ndim - 2, None]),
+            b=follow_axes(entries, [*lead, None, ndim - 1]),
         )
 
     def dense_from(self, w: Any, a: Any, b: Any) -> Any:

@@ -1,6 +1,6 @@
 """`NamedArray`: an array whose axes carry names, and the errors for mismatches."""
 
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import equinox as eqx
 import jax
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
 import quaxlike
-from quaxlike.internal import ShapedArray
+from quaxlike.internal import ShapedArray, with_leaf_specs
 
 from ._quax_names import Axis
 
@@ -175,6 +175,19 @@ class NamedArray(quaxlike.ArrayValue):
         self.array = array
         self.axes = axes
         self.allow_materialise = bool(allow_materialise)
+
+    def logical_leaf_specs(self, spec: Any) -> "NamedArray":
+        """The array has the value's shape (its axes in `axes` order) and follows its sharding (see `quaxlike.leaf_specs`).
+
+        **Arguments:**
+
+        - `spec`: a `PartitionSpec` of the array.
+
+        **Returns:**
+
+        This value with a `PartitionSpec` in place of each leaf.
+        """
+        return with_leaf_specs(self, array=spec)
 
     def aval(self) -> ShapedArray:
         aval = jax.typeof(self.array)

@@ -9,10 +9,11 @@ import equinox as eqx
 import jax
 import jax.extend.core
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jaxtyping import ArrayLike
 
 import quaxlike
-from quaxlike.internal import ShapedArray
+from quaxlike.internal import cannot_follow, logical_entries, ShapedArray, with_leaf_specs
 
 
 class KeyArithmeticError(quaxlike.QuaxlikeError):
@@ -126,6 +127,27 @@ class PRNGKeyValue(quaxlike.ArrayValue):
         # any array-like of unsigned integers.
         self.key = jax.random.wrap_key_data(cast(jax.Array, key), impl=impl)
         self.raw = True if raw is None else raw
+
+    def logical_leaf_specs(self, spec: Any) -> "PRNGKeyValue":
+        """The key array follows the sharding of the keys' axes (see
+        `quaxlike.leaf_specs`); a raw value's last axis, the words of one key,
+        cannot be split.
+
+        **Arguments:**
+
+        - `spec`: a `PartitionSpec` of the array.
+
+        **Returns:**
+
+        This value with a `PartitionSpec` for its key array.
+        """
+        ndim = len(self.key.shape)
+        entries = logical_entries(spec, ndim + (1 if self.raw else 0))
+        if self.raw and entries[-1] is not None:
+            raise cannot_follow(
+                self, spec, ndim, "its last axis holds the words of one key, kept together."
+            )
+        return with_leaf_specs(self, key=PartitionSpec(*entries[:ndim]))
 
     def aval(self) -> ShapedArray:
         if self.raw:

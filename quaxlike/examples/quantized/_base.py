@@ -12,7 +12,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Int8
 
 import quaxlike
-from quaxlike.internal import ShapedArray
+from quaxlike.internal import follow_axes, logical_entries, ShapedArray, with_leaf_specs
 
 
 _REFUSE_MSG = (
@@ -211,6 +211,41 @@ class QuantizedArray(quaxlike.ArrayValue):
         """
         rows = [lax.dynamic_slice_in_dim(x, start, size, axis=-2) for x in self.row_leaves()]
         return dataclasses.replace(self.with_row_leaves(*rows), transposed=False)
+
+    def logical_leaf_specs(self, spec: Any) -> "QuantizedArray":
+        """How the codes and scales follow a sharding of the array (see
+        `quaxlike.leaf_specs`). Every leaf is stored row by row, `(*batch, out,
+        k)` (`Int8Array`'s scales `(*batch, out)`), so each follows the batch
+        axes and the stored rows of the spec, and its last axis (codes, packed
+        codes, groups of inputs, blocks of groups) the stored columns: an
+        `NF4Array`'s codes, absmaxes and second-level scales split along the same
+        rows. A transposed array's spec is read in stored order. Splitting
+        columns needs whole groups on each device (the mesh must divide the
+        number of groups), and double quantisation's second-level scales split
+        with their blocks of rows and groups, or, one block along an axis, are
+        kept whole on each device.
+
+        **Arguments:**
+
+        - `spec`: a `PartitionSpec` of the array (its `aval()`'s shape).
+
+        **Returns:**
+
+        This array with a `PartitionSpec` in place of each leaf.
+        """
+        ndim = len(self.stored_shape)
+        entries = list(logical_entries(spec, ndim))
+        if self.transposed:
+            entries[-2], entries[-1] = entries[-1], entries[-2]
+        lead = list(range(ndim - 2))
+        specs = {}
+        for field in dataclasses.fields(self):
+            leaf = getattr(self, field.name)
+            if field.metadata.get("static", False) or not hasattr(leaf, "shape"):
+                continue
+            along_inputs = [ndim - 1] if len(leaf.shape) == ndim else []
+            specs[field.name] = follow_axes(entries, [*lead, ndim - 2, *along_inputs])
+        return with_leaf_specs(self, **specs)
 
     def aval(self) -> ShapedArray:
         shape = self.stored_shape

@@ -1,15 +1,17 @@
 import functools as ft
 from collections.abc import Sequence
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, ArrayLike
 
 import quaxlike
-from quaxlike.internal import ShapedArray
+from quaxlike.internal import cannot_follow, logical_entries, ShapedArray, with_leaf_specs
 
 
 _REFUSE_MSG = (
@@ -177,6 +179,31 @@ class BCOO(quaxlike.ArrayValue):
             allow_materialise,
             unique_indices=self.unique_indices,
         )
+
+    def logical_leaf_specs(self, spec: Any) -> "BCOO":
+        """A replicated array keeps its nonzeros whole on every device; any split
+        is an error (see `quaxlike.leaf_specs`): the nonzeros of every row and
+        column are in one list, `data` and `indices`, so no leaf can be cut
+        along a logical axis.
+
+        **Arguments:**
+
+        - `spec`: a `PartitionSpec` of the array.
+
+        **Returns:**
+
+        This value with `PartitionSpec()` for `data` and `indices`.
+        """
+        for axis, entry in enumerate(logical_entries(spec, len(self._shape))):
+            if entry is not None:
+                raise cannot_follow(
+                    self,
+                    spec,
+                    axis,
+                    f"its nonzeros (`data`, `indices`) are one list in no order of axis "
+                    f"{axis}, so no leaf can be split along it.",
+                )
+        return with_leaf_specs(self, data=PartitionSpec(), indices=PartitionSpec())
 
     def aval(self) -> ShapedArray:
         return ShapedArray(self._shape, self.data.dtype)

@@ -8,18 +8,26 @@ class attribute orders them: Identity < ScaledIdentity < Diagonal < TriDiagonal.
 """
 
 import abc
+import dataclasses
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, ArrayLike, DTypeLike
 
 import quaxlike
-from quaxlike.internal import ShapedArray
+from quaxlike.internal import (
+    cannot_follow,
+    follow_axes,
+    logical_entries,
+    ShapedArray,
+    with_leaf_specs,
+)
 
 
 _BAD_BAND_MSG = (
@@ -101,6 +109,54 @@ class StructuredMatrix(quaxlike.ArrayValue):
     def map_leaves(self, fn: Callable[[Array], Array]) -> "StructuredMatrix":
         """Apply `fn` to every stored array (for maps with `f(0) == 0`)."""
         return jtu.tree_map(fn, self)
+
+    def logical_leaf_specs(self, spec: Any) -> "StructuredMatrix":
+        """How the stored arrays follow a sharding of the matrix (see
+        `quaxlike.leaf_specs`): each follows the batch axes; a scale (one per
+        matrix) is kept whole on each device; the diagonal splits with the rows or
+        with the columns (not with both, split differently); the bands above and
+        below it, `n - 1` entries, cannot be split in step with the diagonal, so a
+        split matrix axis is an error for a tridiagonal matrix.
+
+        **Arguments:**
+
+        - `spec`: a `PartitionSpec` of `(*batch, n, n)`.
+
+        **Returns:**
+
+        This matrix with a `PartitionSpec` in place of each stored array.
+        """
+        batch = len(self.batch_shape)
+        entries = logical_entries(spec, batch + 2)
+        lead = list(range(batch))
+        rows, cols = entries[-2], entries[-1]
+        names = {field.name for field in dataclasses.fields(self)}
+        specs: dict[str, Any] = {}
+        if "scale" in names:
+            specs["scale"] = follow_axes(entries, lead)
+        if "lower" in names and (rows is not None or cols is not None):
+            axis = batch if rows is not None else batch + 1
+            raise cannot_follow(
+                self,
+                spec,
+                axis,
+                "its bands `lower` and `upper` hold n - 1 entries each, which cannot be "
+                "split in step with the diagonal.",
+            )
+        if "diag" in names:
+            if rows is not None and cols is not None and rows != cols:
+                raise cannot_follow(
+                    self,
+                    spec,
+                    batch + 1,
+                    "its one diagonal `diag` cannot be split along rows and columns at once.",
+                )
+            along = rows if rows is not None else cols
+            specs["diag"] = PartitionSpec(*entries[:batch], along)
+            for band in ("lower", "upper"):
+                if band in names:
+                    specs[band] = follow_axes(entries, lead)
+        return with_leaf_specs(self, **specs)
 
     def aval(self) -> ShapedArray:
         return ShapedArray((*self.batch_shape, self.n, self.n), self.dtype)

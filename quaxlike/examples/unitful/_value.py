@@ -12,7 +12,7 @@ from jax import lax
 from jaxtyping import ArrayLike
 
 import quaxlike
-from quaxlike.internal import materialise_value, ShapedArray
+from quaxlike.internal import materialise_value, ShapedArray, with_leaf_specs
 
 from ._quax_names import as_unit, units_of
 from ._unit import dimensionless, Unit
@@ -133,6 +133,19 @@ class Unitful(quaxlike.ArrayValue):
     def units(self) -> dict:
         """The unit in Quax's form, `{meters: 1, seconds: -1}`."""
         return units_of(self.unit)
+
+    def logical_leaf_specs(self, spec: Any) -> "Unitful":
+        """The magnitudes have the array's shape and follow its sharding; the unit is static (see `quaxlike.leaf_specs`).
+
+        **Arguments:**
+
+        - `spec`: a `PartitionSpec` of the array.
+
+        **Returns:**
+
+        This value with a `PartitionSpec` in place of each leaf.
+        """
+        return with_leaf_specs(self, array=spec)
 
     def aval(self) -> ShapedArray:
         aval = jax.typeof(self.array)

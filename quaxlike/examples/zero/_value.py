@@ -1,4 +1,5 @@
 from collections.abc import Sequence
+from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -6,7 +7,7 @@ import numpy as np
 from jaxtyping import DTypeLike
 
 import quaxlike
-from quaxlike.internal import ShapedArray
+from quaxlike.internal import ShapedArray, with_leaf_specs
 
 
 class Zero(quaxlike.ArrayValue):
@@ -43,6 +44,21 @@ class Zero(quaxlike.ArrayValue):
     def __init__(self, shape: Sequence[int], dtype: DTypeLike):
         self._shape = tuple(int(d) for d in shape)
         self._dtype = np.dtype(dtype)
+
+    def logical_leaf_specs(self, spec: Any) -> "Zero":
+        """A symbolic zero has no array leaves: any sharding is followed, with nothing to place (see `quaxlike.leaf_specs`).
+
+        **Arguments:**
+
+        - `spec`: a `PartitionSpec` of the array.
+
+        **Returns:**
+
+        This value with a `PartitionSpec` in place of each leaf.
+        """
+        return with_leaf_specs(
+            self,
+        )
 
     def aval(self) -> ShapedArray:
         return ShapedArray(self._shape, self._dtype)
