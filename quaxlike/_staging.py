@@ -104,6 +104,9 @@ class StagedCall:
 
 # Marks the key of a call that belongs to an owner: `(_OWNED, id(owner), key)`.
 _OWNED = object()
+# Every `CompiledCalls` made (one per `cached_rule`, and the `jit` rule's), for
+# reporting their sizes (benchmarks/soak.py); held weakly.
+all_compiled_calls: "weakref.WeakSet[CompiledCalls]" = weakref.WeakSet()
 
 
 class CompiledCalls:
@@ -126,6 +129,7 @@ class CompiledCalls:
         # id(owner) -> (weak reference to the owner, the keys of its calls)
         self._owners: dict[int, tuple[weakref.ref, set]] = {}
         on_rules_changed(self.clear)
+        all_compiled_calls.add(self)
 
     def __len__(self) -> int:
         return len(self._calls)
