@@ -136,7 +136,8 @@ def _raised_by_jax(error: TypeError) -> bool:
     while traceback is not None:
         frame, traceback = traceback.tb_frame, traceback.tb_next
     module = "" if frame is None else str(frame.f_globals.get("__name__", ""))
-    return module.startswith(_OWN_MODULES)
+    # The example types' rules are user code like any other.
+    return module.startswith(_OWN_MODULES) and not module.startswith("quaxlike.examples.")
 
 
 def _concrete_value_error(error: TypeError) -> Exception | None:
