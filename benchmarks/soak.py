@@ -14,15 +14,17 @@ model is a stack of `eqx.nn.Linear` + relu layers, LoRA rank 4:
   (`stop_gradient(W) @ x + A @ (B @ x) + bias`; for QLoRA `W @ x` on the 4-bit
   codes, `_plain_quantized.blocked`).
 
-Printed: resident set size (RSS, from /proc/self/status) and every cache's
-entries at checkpoints, and each loop's RSS growth from the second checkpoint
-(after the first steps compiled what is compiled once) to the last. Each loop
-runs in its own process (with `--quick`, all in this one). Every step compiles
-a new program, on both sides, as such a loop does: about half a second of CPU
-per step, so the default (400 steps per loop, 1,600 in all) takes several
-minutes on two cores; `--steps 1000` for a longer run.
+Printed: resident set size (RSS, from /proc/self/status) at checkpoints for
+every loop, each loop's growth over the first cycle of batch sizes (every step
+a new shape: JAX's own per-shape caches fill) and over the rest (shapes seen
+before: what a long run keeps adding), and every cache's entries in the
+quaxlike loops. Each loop runs in its own process (with `--quick`, all in this
+one). Every step compiles a new program, on both sides, as such a loop does:
+half a second to a second of CPU per step on two cores, so the default (400
+steps per loop, 1,600 in all, 200 sizes) takes 20 to 50 minutes;
+`--steps 240 --sizes 80` about half that; `--loops QLoRA` runs some loops only.
 
-Run: `python benchmarks/soak.py [--quick] [--steps N] [--sizes N]`.
+Run: `python benchmarks/soak.py [--quick] [--steps N] [--sizes N] [--loops A,B]`.
 """
 
 import argparse
@@ -199,6 +201,7 @@ def run_loop(name, step, *, steps, sizes, width, checkpoints, register_every):
     xs_all = h.array((sizes, width), seed=2)
     ys_all = h.array((sizes, width), seed=3)
     marks = {round(i * (steps - 1) / (checkpoints - 1)) for i in range(checkpoints)}
+    marks.add(min(sizes, steps) - 1)  # every batch size seen once: the end of the first cycle
     record, value = [], None
     start = time.perf_counter()
     for i in range(steps):
@@ -235,6 +238,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=None, help="ignored (run_all passes it)")
     parser.add_argument("--cold", action="store_true", help="ignored (run_all passes it)")
     parser.add_argument("--loop", default=None, help=argparse.SUPPRESS)  # a child's one loop
+    parser.add_argument(
+        "--loops", default=None, help="run only the loops whose names contain one of these (a,b)"
+    )
     args = parser.parse_args(argv)
     steps = args.steps or (6 if args.quick else 400)
     sizes = args.sizes or (3 if args.quick else 200)
@@ -263,30 +269,39 @@ def main(argv=None):
             + ("all loops in this process" if args.quick else "each loop in its own process"),
         ],
     )
-    names = list(make_loops(depth, width)) if args.quick else LOOPS
+    names = [n for n in LOOPS if not args.loops or any(w in n for w in args.loops.split(","))]
     loops = make_loops(depth, width) if args.quick else {}
     child_argv = ["--steps", str(steps), "--sizes", str(sizes)]
     growth = h.Table(
         "Soak: resident memory growth over the run",
-        ["loop", "RSS after warm-up", "RSS at end", "growth", "time per step", "last loss"],
+        [
+            "loop",
+            "RSS after step 1",
+            f"growth, steps 1-{min(sizes, steps)} (first cycle of sizes)",
+            f"growth, steps {min(sizes, steps)}-{steps} (sizes seen before)",
+            "RSS at end",
+            "time per step",
+            "last loss",
+        ],
     )
     caches = h.Table(
         "Soak: cache entries over the run (quaxlike loops)",
         ["loop", "step", "RSS", *cache_sizes()],
     )
+    over_time: dict[str, list] = {}
     for name in names:
         if args.quick:
             record, loss, seconds = run_loop(name, loops[name], **settings)
         else:
             record, loss, seconds = _run_in_child(name, child_argv)
-        # Growth from the second checkpoint (the first steps compile JAX's and
-        # quaxlike's own programs once) to the last.
-        first, last = record[min(1, len(record) - 1)][1], record[-1][1]
+        over_time[name] = record
+        cycle = next(r for r in record if r[0] >= min(sizes, steps))
         growth.add(
             name,
-            f"{h.fmt_bytes(first)} (step {record[min(1, len(record) - 1)][0]})",
-            h.fmt_bytes(last),
-            h.fmt_bytes(last - first),
+            h.fmt_bytes(record[0][1]),
+            h.fmt_bytes(cycle[1] - record[0][1]),
+            h.fmt_bytes(record[-1][1] - cycle[1]),
+            h.fmt_bytes(record[-1][1]),
             h.fmt_time(seconds),
             f"{loss:.4g}",
         )
@@ -296,6 +311,10 @@ def main(argv=None):
                 for cache, bound in BOUNDS.items():
                     if sizes_now[cache] > bound:
                         print(f"WARNING: {cache} holds {sizes_now[cache]} > its bound {bound}")
+    rss = h.Table("Soak: resident memory over the run", ["step", *over_time])
+    for i, (at, _, _) in enumerate(next(iter(over_time.values()))):
+        rss.add(at, *(h.fmt_bytes(record[i][1]) for record in over_time.values()))
+    rss.print()
     growth.print()
     caches.print(
         [

@@ -100,11 +100,12 @@ def test_soak_quick():
     # Four short training loops in one process: about half a minute on two cores.
     out = _run_quick("soak")
     assert out.count("- CPU: ") == 1
-    growth, caches = (
+    growth, caches, rss = (
         "### Soak: resident memory growth over the run",
         "### Soak: cache entries over the run (quaxlike loops)",
+        "### Soak: resident memory over the run",
     )
-    for title in (growth, caches):
+    for title in (growth, caches, rss):
         assert title in out, f"missing table {title!r}"
         table = out.split(title, 1)[1].lstrip("\n").splitlines()
         assert table[0].startswith("| ") and set(table[1]) <= set("|-"), table[:2]
@@ -116,7 +117,7 @@ def test_soak_quick():
         "plain JAX QLoRA int4",
     ]
     # The same loss as plain JAX at the end of each pair of loops.
-    losses = [row.split("|")[6].strip() for row in rows]
+    losses = [row.split("|")[7].strip() for row in rows]
     assert losses[0] == losses[1] and losses[2] == losses[3]
     assert "WARNING" not in out  # no cache over its bound
 
