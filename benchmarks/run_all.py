@@ -28,6 +28,7 @@ SCRIPTS = (
     "qlora",
     "depth_scaling",
     "scale",
+    "soak",
     "instructions",
 )
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -173,6 +173,53 @@ class ValueNotLiftedError(QuaxlikeError, TypeError):
     """
 
 
+class ValueNotConcreteError(QuaxlikeError, TypeError):
+    """A Value was used where JAX needs a concrete value (a shape, an axis, an
+    index, a Python `bool` or `int`) inside `quaxify`, where every Value is
+    abstract. Rewritten from JAX's own error, and also an instance of its class
+    (`jax.errors.ConcretizationTypeError` where JAX raised one), so code that
+    catches JAX's error catches this one (see `keeping_class`)."""
+
+
+# (quaxlike's class, the class of the error it replaces) -> a class of both.
+# Bounded by the number of exception classes.
+_classes_of_both: dict[tuple[type, type], type] = {}
+
+
+def keeping_class(cls: type[QuaxlikeError], replaced: BaseException, message: str) -> Exception:
+    """`cls(message)`, made also an instance of the class of the error
+    `replaced` that it stands for, so that every `except` clause that caught
+    `replaced` catches it (a `ConcretizationTypeError` stays one, a
+    `TypeError` stays a `TypeError`).
+
+    **Arguments:**
+
+    - `cls`: quaxlike's error class for the mistake.
+    - `replaced`: the error raised by JAX or Python.
+    - `message`: the new message.
+
+    **Returns:**
+
+    An instance of `cls` and of `type(replaced)`.
+    """
+    original = type(replaced)
+    if issubclass(cls, original):
+        return cls(message)
+    both = _classes_of_both.get((cls, original))
+    if both is None:
+        namespace = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+            # The message as given: not JAX's own constructor, which takes a
+            # tracer, or appends a link to its documentation.
+            "__init__": Exception.__init__,
+            "__str__": Exception.__str__,
+        }
+        both = _classes_of_both[(cls, original)] = type(cls.__name__, (cls, original), namespace)
+    return both(message)
+
+
 class CarryChangedError(QuaxlikeError, TypeError):
     """A loop body (`while_loop`, `fori_loop`, `scan`) returned a carry whose type
     or static metadata differs from the carry it received, and quaxlike could not

@@ -16,12 +16,19 @@ from collections.abc import Callable
 from typing import Any, cast, Generic, TypeVar
 
 import equinox as eqx
+import jax
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
 from . import _instrument, _jax_compat as jc
-from ._diagnostics import messages, QuaxlikeError, ValueNotLiftedError
+from ._diagnostics import (
+    keeping_class,
+    messages,
+    QuaxlikeError,
+    ValueNotConcreteError,
+    ValueNotLiftedError,
+)
 from ._trace import QuaxTrace, QuaxTracer
 from ._values import is_value, Value
 
@@ -58,7 +65,7 @@ _PYTHON_OPERATOR_ERROR = re.compile(
 )
 
 
-def _unlifted_value_error(error: TypeError) -> ValueNotLiftedError | None:
+def _unlifted_value_error(error: TypeError) -> Exception | None:
     """JAX's error for a Value that reached a primitive without being lifted (or
     Python's, for an operator between an array and such a Value), rewritten to
     say why that happens and what to do."""
@@ -68,12 +75,14 @@ def _unlifted_value_error(error: TypeError) -> ValueNotLiftedError | None:
         symbol, left, right = operator.groups()
         for position, name in enumerate((left, right)):
             if name.rsplit(".", 1)[-1] in known:
-                return ValueNotLiftedError(
+                return keeping_class(
+                    ValueNotLiftedError,
+                    error,
                     messages.VALUE_NOT_LIFTED.format(
                         primitive=f"operator {symbol}",
                         type_name=name.rsplit(".", 1)[-1],
                         position=position,
-                    )
+                    ),
                 )
         return None
     match = _JAX_OPERAND_ERROR.search(str(error))
@@ -87,27 +96,65 @@ def _unlifted_value_error(error: TypeError) -> ValueNotLiftedError | None:
     type_name = qualified_name.rsplit(".", 1)[-1]
     if type_name not in known:
         return None
-    return ValueNotLiftedError(
+    return keeping_class(
+        ValueNotLiftedError,
+        error,
         messages.VALUE_NOT_LIFTED.format(
             primitive=primitive, type_name=type_name, position=position
-        )
+        ),
     )
 
 
 _ABSTRACT_VALUE = re.compile(r"QuaxTracer<([\w.]+): ([^>]*)>")
 
 
-def _concrete_value_error(error: TypeError) -> QuaxlikeError | None:
+# JAX's errors for a tracer used where a concrete value is needed.
+_TRACER_ERRORS = tuple(
+    cls
+    for cls in (
+        getattr(jax.errors, name, None)
+        for name in (
+            "ConcretizationTypeError",
+            "TracerArrayConversionError",
+            "TracerBoolConversionError",
+            "TracerIntegerConversionError",
+        )
+    )
+    if isinstance(cls, type)
+)
+# Modules whose `TypeError` about one of our tracers is about a concrete value
+# that was needed: JAX's (`jnp.zeros(n)` raises a plain `TypeError`) and ours.
+_OWN_MODULES = ("jax.", "jaxlib.", "quaxlike.")
+
+
+def _raised_by_jax(error: TypeError) -> bool:
+    """Whether JAX raised `error` (one of its tracer errors, or a `TypeError`
+    raised in its code or ours), rather than the user's own code."""
+    if isinstance(error, _TRACER_ERRORS):
+        return True
+    frame, traceback = None, error.__traceback__
+    while traceback is not None:
+        frame, traceback = traceback.tb_frame, traceback.tb_next
+    module = "" if frame is None else str(frame.f_globals.get("__name__", ""))
+    # The example types' rules are user code like any other.
+    return module.startswith(_OWN_MODULES) and not module.startswith("quaxlike.examples.")
+
+
+def _concrete_value_error(error: TypeError) -> Exception | None:
     """JAX's error for a traced value used where a concrete one is needed (a
-    shape, an index, a Python `bool`), when that value is one of ours."""
+    shape, an index, a Python `bool`), when that value is one of ours; an
+    instance of JAX's class too. A `TypeError` the user's own code raised (its
+    message may show a tracer) is left as it is."""
     if isinstance(error, QuaxlikeError):
         return None
     match = _ABSTRACT_VALUE.search(str(error))
-    if match is None:
+    if match is None or not _raised_by_jax(error):
         return None
     type_name, aval = match.groups()
-    return QuaxlikeError(
-        messages.VALUE_NOT_CONCRETE.format(type_name=type_name, aval=aval, error=error)
+    return keeping_class(
+        ValueNotConcreteError,
+        error,
+        messages.VALUE_NOT_CONCRETE.format(type_name=type_name, aval=aval, error=error),
     )
 
 

@@ -7,9 +7,12 @@ facts"), and has no notion of a rule returning `NotImplemented` to hand over.
 The answer is cached as a `Plan` per (primitive, argument kinds) until the next
 `register`: everything the trace and its shortcuts need to know, so nothing
 outside this module predicts what dispatch will do. Caches elsewhere that
-depend on the rules subscribe with `on_rules_changed`.
+depend on the rules subscribe with `on_rules_changed`, and store what they
+computed with `store_if_current`, so that nothing computed from an older rule
+set is stored once a newer one is visible (docs/caches.md lists every cache).
 """
 
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast, TypeVar
@@ -41,6 +44,26 @@ _subscribers: list[Callable[[], None]] = []
 # Asked once for each primitive that has no rules yet; may register some.
 _rule_providers: list[Callable[[jc.Primitive], None]] = []
 _asked_providers: "weakref.WeakSet[jc.Primitive]" = weakref.WeakSet()
+# Counts the changes to the rules. `register` changes the rules, bumps it and
+# empties every cache while holding `rules_lock`; `store_if_current` stores
+# under the same lock only if it has not moved since the value was computed.
+_generation = 0
+rules_lock = threading.RLock()
+
+
+def rules_generation() -> int:
+    """The number of changes to the rules so far: read it before computing
+    something from the rules, and hand it to `store_if_current`."""
+    return _generation
+
+
+def store_if_current(cache: dict, key: Any, value: Any, generation: int) -> None:
+    """`cache[key] = value`, unless a rule was registered since `generation`
+    (then `value` may have been computed from the older rules, and the cache
+    has been emptied since: it must not hold `value`)."""
+    with rules_lock:
+        if generation == _generation:
+            cache[key] = value
 
 
 def on_rules_changed(callback: Callable[[], None]) -> Callable[[], None]:
@@ -69,6 +92,9 @@ def _provided_dispatcher(primitive: jc.Primitive) -> plum.Function | None:
 
 
 def _rules_changed() -> None:
+    # Under `rules_lock`, held by `register` across the change itself.
+    global _generation
+    _generation += 1
     _plans.clear()
     for callback in _subscribers:
         callback()
@@ -170,11 +196,12 @@ def register(primitive, *, precedence: int = 0) -> Callable[[_Rule], _Rule]:
             raise QuaxlikeError(
                 messages.RULE_NOT_CALLABLE.format(primitive=primitives[0].name, got=rule)
             )
-        for prim in primitives:
-            for implementation in implementations:
-                _instrument.warn_unannotated(implementation, prim)
-                _dispatcher_for(prim).register(implementation, precedence=precedence)
-        _rules_changed()
+        with rules_lock:
+            for prim in primitives:
+                for implementation in implementations:
+                    _instrument.warn_unannotated(implementation, prim)
+                    _dispatcher_for(prim).register(implementation, precedence=precedence)
+            _rules_changed()
         return cast(_Rule, rule)
 
     return decorator
@@ -378,7 +405,9 @@ def plan_for(primitive: jc.Primitive, values: Sequence[Any], kinds: tuple | None
     try:
         return _plans[key]
     except KeyError:
-        plan = _plans[key] = _make_plan(primitive, tuple(values))
+        generation = _generation
+        plan = _make_plan(primitive, tuple(values))
+        store_if_current(_plans, key, plan, generation)
         return plan
 
 

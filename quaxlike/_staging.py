@@ -5,6 +5,7 @@ cache of such calls; the `jit` rule's compiled bodies and `cached_rule`
 one predicate that says when such a call, or any other shortcut, may stand in
 for running the rules."""
 
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple, TypeVar
 
@@ -13,7 +14,7 @@ import jax
 import jax.tree_util as jtu
 
 from . import _instrument, _jax_compat as jc, _policy
-from ._rules import on_rules_changed
+from ._rules import on_rules_changed, rules_generation, rules_lock
 
 
 _Rule = TypeVar("_Rule", bound=Callable[..., Any])
@@ -101,30 +102,105 @@ class StagedCall:
         return self.out_split.join(out_arrays)  # pyright: ignore[reportOptionalMemberAccess]
 
 
+# Marks the key of a call that belongs to an owner: `(_OWNED, id(owner), key)`.
+_OWNED = object()
+# Every `CompiledCalls` made (one per `cached_rule`, and the `jit` rule's), for
+# reporting their sizes (benchmarks/soak.py); held weakly.
+all_compiled_calls: "weakref.WeakSet[CompiledCalls]" = weakref.WeakSet()
+
+
 class CompiledCalls:
-    """A cache of `StagedCall`s by key. A compiled call runs the rules as they
-    were when it was traced, so every cache is emptied when a rule is
-    registered; past `max_size` entries one is emptied too (code applied to
-    ever new shapes must not grow it without bound)."""
+    """A bounded cache of `StagedCall`s by key, as JAX's own `jit` caches are:
+    weak in the function and bounded.
+
+    A call may belong to an `owner` (the `jit` rule's sub-program, which holds
+    the arrays the user's jitted function closes over): then the cache holds
+    the owner weakly, and its calls go when it does. Past `max_size` calls the
+    oldest is evicted (code applied to ever new shapes must not grow it
+    without bound). A compiled call runs the rules as they were when it was
+    traced, so the cache is emptied when a rule is registered, and a call made
+    from an older rule set is never stored (`store_if_current`). Every such
+    cache is listed in docs/caches.md.
+    """
 
     def __init__(self, max_size: int = 1024):
         self.max_size = max_size
         self._calls: dict[Hashable, StagedCall] = {}
-        on_rules_changed(self._calls.clear)
+        # id(owner) -> (weak reference to the owner, the keys of its calls)
+        self._owners: dict[int, tuple[weakref.ref, set]] = {}
+        on_rules_changed(self.clear)
+        all_compiled_calls.add(self)
 
-    def get(self, key: Hashable, make: Callable[[], StagedCall]) -> StagedCall | None:
-        """The call cached under `key`, made with `make()` the first time, or
-        `None` if `key` cannot be hashed (a non-array leaf or a param that
-        cannot: the caller then runs uncached)."""
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def clear(self) -> None:
+        """Forget every call (the owners' weak references go with them)."""
+        self._calls.clear()
+        self._owners.clear()
+
+    def get(
+        self, key: Hashable, make: Callable[[], StagedCall], owner: Any = None
+    ) -> StagedCall | None:
+        """The call cached under `key` (and `owner`, held weakly), made with
+        `make()` the first time, or `None` if `key` cannot be hashed (a
+        non-array leaf or a param that cannot: the caller then runs
+        uncached)."""
+        if owner is not None:
+            key = (_OWNED, id(owner), key)
         try:
             call = self._calls.get(key)
         except TypeError:
             return None
         if call is None:
-            if len(self._calls) >= self.max_size:
-                self._calls.clear()
-            call = self._calls[key] = make()
+            generation = rules_generation()
+            call = make()
+            self._store(key, call, owner, generation)
         return call
+
+    def _store(self, key, call, owner, generation: int) -> None:
+        with rules_lock:
+            if generation != rules_generation():
+                return  # a rule was registered meanwhile: `call` may predate it
+            if owner is not None and not self._own(key, owner):
+                return
+            while len(self._calls) >= self.max_size:
+                self._evict_oldest()
+            self._calls[key] = call
+
+    def _own(self, key, owner) -> bool:
+        owner_id = id(owner)
+        entry = self._owners.get(owner_id)
+        if entry is not None and entry[0]() is not owner:
+            self._forget(owner_id)  # another object that had the same id
+            entry = None
+        if entry is None:
+            try:
+                ref = weakref.ref(owner, lambda _, owner_id=owner_id: self._forget(owner_id))
+            except TypeError:
+                return False  # cannot be held weakly: not cached
+            entry = self._owners[owner_id] = (ref, set())
+        entry[1].add(key)
+        return True
+
+    def _forget(self, owner_id: int) -> None:
+        entry = self._owners.pop(owner_id, None)
+        if entry is not None:
+            for key in list(entry[1]):
+                self._calls.pop(key, None)
+
+    def _evict_oldest(self) -> None:
+        try:
+            key = next(iter(self._calls))
+        except (StopIteration, RuntimeError):  # emptied, or changed by a weak reference
+            return
+        self._calls.pop(key, None)
+        if type(key) is tuple and key and key[0] is _OWNED:
+            entry = self._owners.get(key[1])
+            if entry is not None:
+                entry[1].discard(key)
+                if not entry[1]:
+                    self._owners.pop(key[1], None)
 
 
 def shortcuts_apply(observing: bool | None = None) -> bool:

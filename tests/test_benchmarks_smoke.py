@@ -96,6 +96,32 @@ def test_scale_quick():
     assert "the chunked model the unchunked one's loss: True" in out
 
 
+def test_soak_quick():
+    # Four short training loops in one process: about half a minute on two cores.
+    out = _run_quick("soak")
+    assert out.count("- CPU: ") == 1
+    growth, caches, rss = (
+        "### Soak: resident memory growth over the run",
+        "### Soak: cache entries over the run (quaxlike loops)",
+        "### Soak: resident memory over the run",
+    )
+    for title in (growth, caches, rss):
+        assert title in out, f"missing table {title!r}"
+        table = out.split(title, 1)[1].lstrip("\n").splitlines()
+        assert table[0].startswith("| ") and set(table[1]) <= set("|-"), table[:2]
+    rows = out.split(growth, 1)[1].lstrip("\n").splitlines()[2:6]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "quaxlike LoRA",
+        "plain JAX LoRA",
+        "quaxlike QLoRA int4",
+        "plain JAX QLoRA int4",
+    ]
+    # The same loss as plain JAX at the end of each pair of loops.
+    losses = [row.split("|")[7].strip() for row in rows]
+    assert losses[0] == losses[1] and losses[2] == losses[3]
+    assert "WARNING" not in out  # no cache over its bound
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
 def test_instructions_quick():

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from .. import _jax_compat as jc
-from .._rules import on_rules_changed, plan_for
+from .._rules import on_rules_changed, plan_for, rules_generation, rules_lock
 from .._staging import shortcuts_apply
 from .._sub_programs import only_materialises
 from .._trace import QuaxTracer
@@ -39,9 +39,24 @@ _OPERATORS = {
 # Other operands the shortcut takes: concrete arrays, NumPy arrays, numbers.
 _OPERANDS = (jax.Array, bool, int, float, complex, np.ndarray)
 
-# (operator name, operand kinds, operand avals) -> whether the shortcut applies.
+# (operator name, operand kinds, operand avals) -> whether the shortcut applies,
+# least recently used first; at most `_MAX_VERDICTS` (the bound of JAX's own
+# caches), emptied when a rule is registered (docs/caches.md).
 _applies: dict[tuple, bool] = {}
+_MAX_VERDICTS = 4096
 on_rules_changed(_applies.clear)
+
+
+def _remember(key: tuple, applies: bool, generation: int) -> None:
+    with rules_lock:
+        if generation != rules_generation():
+            return  # a rule was registered meanwhile: the verdict may predate it
+        while len(_applies) >= _MAX_VERDICTS:
+            try:
+                del _applies[next(iter(_applies))]
+            except (StopIteration, RuntimeError, KeyError):
+                break
+        _applies[key] = applies
 
 
 def _operand_key(x, tracer_aval) -> tuple:
@@ -54,7 +69,10 @@ def _operand_key(x, tracer_aval) -> tuple:
     return (type(x),)  # a Python number: a weakly typed scalar
 
 
-def _applies_to(eager_trace, function, value: Value, aval, other, other_aval) -> bool:
+def _applies_to(eager_trace, function, value: Value, aval, other, other_aval) -> bool | None:
+    """Whether the shortcut applies to operands like these, or `None` where
+    tracing the operator failed for these operands alone (a Python int too
+    large for any dtype): not a verdict for every operand with the same key."""
     if plan_for(jc.jit_p, [value, other]).sub_program is None:
         return False  # a rule of the user's own for `jit_p` on these types
     shape_of = lambda x, a: (  # noqa: E731
@@ -63,7 +81,7 @@ def _applies_to(eager_trace, function, value: Value, aval, other, other_aval) ->
     try:
         closed = jax.make_jaxpr(function)(shape_of(value, aval), shape_of(other, other_aval))
     except Exception:  # a number JAX cannot represent, operands that do not fit
-        return False
+        return None
     return only_materialises(closed, [value, other], eager_trace)
 
 
@@ -84,13 +102,17 @@ def _dense_operator(tracer: QuaxTracer, name: str, function, other):
     value = tracer.value
     try:
         key = (name, _operand_key(value, tracer.aval), _operand_key(other, other_aval))
-        applies = _applies.get(key)
+        applies = _applies.pop(key, None)
     except TypeError:  # an unhashable aval or sharding
         return NotImplemented
-    if applies is None:
-        applies = _applies[key] = _applies_to(
-            trace.parent_trace, function, value, tracer.aval, other, other_aval
-        )
+    if applies is not None:
+        _applies[key] = applies  # now the most recently used
+    else:
+        generation = rules_generation()
+        applies = _applies_to(trace.parent_trace, function, value, tracer.aval, other, other_aval)
+        if applies is None:
+            return NotImplemented
+        _remember(key, applies, generation)
     if not applies:
         return NotImplemented
     with jc.set_current_trace(trace.parent_trace):

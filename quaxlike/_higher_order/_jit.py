@@ -24,11 +24,11 @@ What happens to such a call, in the order it runs:
    compiled once per argument types and reused.
 """
 
-import functools
+import weakref
 
 from .. import _jax_compat as jc
 from .._quaxify import lifted_call
-from .._rules import register, sub_program_rule
+from .._rules import register, rules_generation, store_if_current, sub_program_rule
 from .._staging import CompiledCalls, shortcuts_apply, split_arrays, StagedCall
 from .._sub_programs import inline, materialise_at_call, only_materialises, verdicts
 from .._values import is_value
@@ -55,12 +55,15 @@ def shortcut(trace, primitive, plan, tracers, values, kinds, params):
     key = (type(trace.parent_trace), kinds)
     verdict = known.get(key)
     if verdict is None:
+        generation = rules_generation()
         if not trace.eager:  # the first call: inline it and observe
-            outputs, known[key] = inline(trace, closed_jaxpr, tracers, judge=True)
+            outputs, verdict = inline(trace, closed_jaxpr, tracers, judge=True)
+            store_if_current(known, key, verdict, generation)
             return outputs
         # Eagerly, worked out without running anything, so that no eager call
         # is ever run op by op once and compiled the next time.
-        verdict = known[key] = only_materialises(closed_jaxpr, values, trace.parent_trace)
+        verdict = only_materialises(closed_jaxpr, values, trace.parent_trace)
+        store_if_current(known, key, verdict, generation)
     if verdict:
         out = materialise_at_call(trace, primitive, tracers, values, params)
         if out is not NotImplemented:
@@ -76,7 +79,9 @@ def shortcut(trace, primitive, plan, tracers, values, kinds, params):
 # the arguments, avals of their array leaves), so that calling a jitted
 # function on Values again goes through JAX's dispatch of one compiled program
 # instead of tracing the rules again. JAX hands out the same jaxpr object for
-# the same function and argument types.
+# the same function and argument types. The sub-program holds every array the
+# user's function closes over: the cache holds it weakly (and each body refers
+# to it weakly), so a body goes when JAX's own cache lets the jaxpr go.
 _bodies = CompiledCalls()
 
 
@@ -96,12 +101,16 @@ def jit_p_values(*args: AnyValue, jaxpr, name: str = "jit", **params):
     ):
         return lifted_call(jc.jaxpr_as_fun(jaxpr), *args)
     split = split_arrays(list(args))
+    jaxpr_ref = weakref.ref(jaxpr)  # a cached body must not keep its sub-program alive
 
     def make():
-        return StagedCall(functools.partial(lifted_call, jc.jaxpr_as_fun(jaxpr)), name, split)
+        def run_sub_program(*args):
+            return lifted_call(jc.jaxpr_as_fun(jaxpr_ref()), *args)
+
+        return StagedCall(run_sub_program, name, split)
 
     # A cached compiled body may stand in for tracing the rules again.
-    body = _bodies.get((jaxpr, name, *split.key()), make) if shortcuts_apply() else None
+    body = _bodies.get((name, *split.key()), make, owner=jaxpr) if shortcuts_apply() else None
     return (body or make())(split.arrays)
 
 

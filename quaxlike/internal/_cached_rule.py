@@ -80,6 +80,7 @@ def cached_rule(rule: _Rule) -> _Rule:
                 return call(split.arrays)
         return rule(*args, **params)
 
+    run_cached.compiled_calls = calls  # pyright: ignore[reportAttributeAccessIssue]  (docs/caches.md)
     return run_cached  # pyright: ignore
 
 
