@@ -589,3 +589,22 @@ def test_prng_key_data_is_one_per_implementation():
         struct = _value.key_data_struct(jax.random.key(0).dtype)
     assert struct.shape == jax.random.key_data(jax.random.key(0)).shape
     assert _value.key_data_struct.cache_info().currsize <= len(("threefry", "rbg", "unsafe_rbg"))
+
+
+def test_equinox_and_derivative_stores():
+    # The companions of Equinox's filter primitives and the primitives asked
+    # for rules are held weakly, one entry per live primitive; the derivative
+    # maps of a Value are `eqx.filter_jit`s (JAX's own bounded cache).
+    from quaxlike import _rules
+    from quaxlike._higher_order import _equinox, _leaf_derivatives
+    from quaxlike.examples.lora import LoraArray
+
+    assert isinstance(_equinox._companions, weakref.WeakKeyDictionary)
+    assert isinstance(_rules._asked_providers, weakref.WeakSet)
+    for jitted in (_leaf_derivatives._pushforward, _leaf_derivatives._pullback):
+        assert isinstance(jitted, type(eqx.filter_jit(lambda x: x)))
+    # A dense cotangent pulled back twice for one structure: one compiled map.
+    lora = LoraArray(jnp.ones((3, 4)), rank=2, key=jr.key(0))
+    for _ in range(2):
+        cts = _leaf_derivatives.leaf_cotangents(lora, jnp.ones((3, 4)), None)
+    assert [ct.shape for ct in cts if ct is not None] == [(3, 4), (3, 2), (2, 4)]
