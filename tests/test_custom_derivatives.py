@@ -389,3 +389,48 @@ def test_derivative_at_a_python_number(function):
     assert jax.grad(through_quaxify)(1.0) == jax.grad(function)(1.0)
     if function is jax.nn.relu:  # a custom_vjp function has no forward mode
         assert jax.jvp(through_quaxify, (1.0,), (1.0,)) == jax.jvp(function, (1.0,), (1.0,))
+
+
+class _OnlyRules(quaxlike.ArrayValue):
+    """Quax's test type: it refuses to materialise and lives on its rules."""
+
+    array: jax.Array
+
+    def aval(self):
+        return jax.typeof(self.array)
+
+    def materialise(self):
+        raise NotImplementedError
+
+
+@quaxlike.register(lax.cos_p)
+def _cos_p_only_rules(x: _OnlyRules, **params):
+    return _OnlyRules(lax.cos_p.bind(x.array, **params))
+
+
+@quaxlike.register(lax.sin_p)
+def _sin_p_only_rules(x: _OnlyRules, **params):
+    return _OnlyRules(lax.sin_p.bind(x.array, **params))
+
+
+@quaxlike.register(lax.mul_p)
+def _mul_p_only_rules(x: _OnlyRules | jax.Array, y: _OnlyRules | jax.Array, **params):
+    unwrap = lambda v: v.array if isinstance(v, _OnlyRules) else v  # noqa: E731
+    return _OnlyRules(lax.mul_p.bind(unwrap(x), unwrap(y), **params))
+
+
+@jax.custom_vjp
+def _hundred_sine(x):
+    return jnp.sin(x)
+
+
+_hundred_sine.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda res, ct: (100.0 * res * ct,))
+
+
+def test_custom_vjp_cotangent_of_the_same_type_needs_no_dense_array():
+    # Quax main's test_custom_vjp: `bwd` returns a cotangent of the input's own
+    # type (structured), whose leaves are the leaves' cotangents.
+    x = jnp.arange(1.0, 4.0)
+    grad = jax.grad(lambda v: quaxlike.quaxify(_hundred_sine)(v).array.sum())(_OnlyRules(x))
+    assert isinstance(grad, _OnlyRules)
+    assert jnp.allclose(grad.array, 100 * jnp.cos(x))

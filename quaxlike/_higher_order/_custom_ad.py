@@ -397,6 +397,20 @@ def _check_output_cotangents(outputs: "_Flattened", out_cts) -> None:
         raise QuaxlikeError(messages.CUSTOM_VJP_OUTPUT_COTANGENT.format(type_name=cls.__name__))
 
 
+def _leafwise(value: Value, ct) -> bool:
+    """Whether the cotangent `ct` that `bwd` gave `value` is a Value of the same
+    type and structure whose leaves are the cotangents of `value`'s leaves: for a
+    type with `structured_tangents` (its array linear in its leaves), as Quax
+    takes them. (Exact where the array is an isometric image of the leaves, as
+    for dense wrappers, units, named axes and symbolic zeros; such a type need
+    not be able to materialise.)"""
+    return (
+        isinstance(ct, Value)
+        and getattr(type(value), "structured_tangents", True)
+        and _Flattened([value]).same_structure(_Flattened([ct]))
+    )
+
+
 def _leaf_cotangents(inputs: "_Flattened", in_leaves, in_cts, perturbed):
     """Cotangents for the input leaves, from the cotangents `bwd` gave the inputs
     (each the cotangent of the array an input stands for, an array or a Value).
@@ -407,6 +421,9 @@ def _leaf_cotangents(inputs: "_Flattened", in_leaves, in_cts, perturbed):
     for position, ((start, stop), is_value) in enumerate(zip(inputs.spans, inputs.is_value)):
         ct = in_cts[position]
         if ct is None or start == stop or not perturbed[position]:
+            continue
+        if is_value and _leafwise(values[position], ct):
+            out[start:stop] = _Flattened([ct]).leaves
             continue
         if isinstance(ct, Value):
             ct = dense_array(ct, jc.custom_vjp_call_p)
