@@ -82,6 +82,14 @@ def logical_entries(spec: PartitionSpec | None, ndim: int) -> tuple:
     **Returns:**
 
     A tuple of `ndim` entries (a mesh axis name, a tuple of them, or `None`).
+
+    !!! example
+
+        ```python
+        from jax.sharding import PartitionSpec as P
+
+        assert logical_entries(P("data"), 3) == ("data", None, None)
+        ```
     """
     entries = tuple(spec) if spec is not None else ()
     if len(entries) > ndim:
@@ -102,6 +110,17 @@ def follow_axes(entries: Sequence[Any], axes: Sequence[int | None]) -> Partition
     **Returns:**
 
     A `PartitionSpec`, without trailing `None`s (as JAX writes specs).
+
+    !!! example
+
+        ```python
+        from jax.sharding import PartitionSpec as P
+
+        # A factor `(rows, rank)` of a `(rows, columns)` value: its rows follow
+        # the value's rows, its rank axis is replicated.
+        entries = logical_entries(P("data", "model"), 2)
+        assert follow_axes(entries, [0, None]) == P("data")
+        ```
     """
     out = [None if a is None else entries[a] for a in axes]
     while out and out[-1] is None:
@@ -168,6 +187,16 @@ def cannot_follow(value: Any, spec: Any, axis: int, why: str) -> LogicalSharding
     **Returns:**
 
     A `LogicalShardingError` naming the type, the spec and the axis.
+
+    !!! example
+
+        ```python
+        from jax.sharding import PartitionSpec as P
+
+        value = quaxlike.DenseArrayValue(jnp.ones((4, 2)))
+        error = cannot_follow(value, P(None, "model"), 1, "its leaf has one column block.")
+        assert isinstance(error, quaxlike.LogicalShardingError)
+        ```
     """
     try:
         shape = value.aval().str_short()
