@@ -1,5 +1,6 @@
 """Small Values of the ready types, each with the dense array it stands for."""
 
+import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
 
@@ -59,3 +60,42 @@ def dense_of(value):
         if callable(method):
             return method()
     return value.materialise()
+
+
+# --- Equinox custom-derivative functions whose rules differ from the primal's
+# derivative, so a skipped rule shows --------------------------------------------
+
+
+@eqx.filter_custom_jvp
+def doubled_tangent_matvec(w, x):
+    """`w @ x`, whose rule gives twice the tangent with respect to `x` and none
+    with respect to `w`."""
+    return w @ x
+
+
+@doubled_tangent_matvec.def_jvp
+def _doubled_tangent_matvec_jvp(primals, tangents):
+    w, x = primals
+    _, tx = tangents
+    return doubled_tangent_matvec(w, x), 2.0 * (w @ tx)
+
+
+@eqx.filter_custom_vjp
+def _clipped_matvec_of(x, w):
+    # Differentiable with respect to `x` (Equinox's first argument) only.
+    return w @ x
+
+
+@_clipped_matvec_of.def_fwd
+def _clipped_matvec_fwd(perturbed, x, w):
+    return w @ x, None
+
+
+@_clipped_matvec_of.def_bwd
+def _clipped_matvec_bwd(residuals, g, perturbed, x, w):
+    return jnp.clip(w.T @ g, -0.1, 0.1)
+
+
+def clipped_matvec(w, x):
+    """`w @ x`, whose backward pass clips the cotangent of `x` to [-0.1, 0.1]."""
+    return _clipped_matvec_of(x, w)

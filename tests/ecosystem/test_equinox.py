@@ -75,40 +75,10 @@ def test_a_callback_that_returns_where_the_other_branch_gives_a_value_raises():
         run(value, True)
 
 
-@eqx.filter_custom_jvp
-def _scaled_matvec(w, x):
-    return w @ x
-
-
-@_scaled_matvec.def_jvp
-def _scaled_matvec_jvp(primals, tangents):
-    w, x = primals
-    _, tx = tangents
-    return _scaled_matvec(w, x), 2.0 * (w @ tx)
-
-
-@eqx.filter_custom_vjp
-def _clipped_matvec_of(x, w):
-    # Differentiable with respect to `x` (Equinox's first argument) only.
-    return w @ x
-
-
-@_clipped_matvec_of.def_fwd
-def _clipped_matvec_fwd(perturbed, x, w):
-    return w @ x, None
-
-
-@_clipped_matvec_of.def_bwd
-def _clipped_matvec_bwd(residuals, g, perturbed, x, w):
-    return jnp.clip(w.T @ g, -0.1, 0.1)
-
-
-def _clipped_matvec(w, x):
-    return _clipped_matvec_of(x, w)
-
-
 @pytest.mark.parametrize("name", ["lora", "diagonal", "tridiagonal", "int8", "sparse"])
-@pytest.mark.parametrize("fn", [_scaled_matvec, _clipped_matvec], ids=["custom_jvp", "custom_vjp"])
+@pytest.mark.parametrize(
+    "fn", [_cases.doubled_tangent_matvec, _cases.clipped_matvec], ids=["custom_jvp", "custom_vjp"]
+)
 def test_filter_custom_derivative_functions_forward(name, fn):
     w = VALUES[name](jr.key(2))
     x = jnp.linspace(-1.0, 1.0, _cases.N)

@@ -42,41 +42,11 @@ def test_custom_jvp_rule_runs_for_a_lora_argument():
     np.testing.assert_allclose(got, [2.0, 2.0, 2.0])
 
 
-@eqx.filter_custom_jvp
-def _doubled_tangent_matvec(w, x):
-    return w @ x
-
-
-@_doubled_tangent_matvec.def_jvp
-def _doubled_tangent_matvec_jvp(primals, tangents):
-    w, x = primals
-    _, tx = tangents
-    return _doubled_tangent_matvec(w, x), 2.0 * (w @ tx)
-
-
-@eqx.filter_custom_vjp
-def _clipped_matvec_of(x, w):
-    # Differentiable with respect to `x` (Equinox's first argument) only.
-    return w @ x
-
-
-@_clipped_matvec_of.def_fwd
-def _clipped_matvec_fwd(perturbed, x, w):
-    return w @ x, None
-
-
-@_clipped_matvec_of.def_bwd
-def _clipped_matvec_bwd(residuals, g, perturbed, x, w):
-    return jnp.clip(w.T @ g, -0.1, 0.1)
-
-
-def _clipped_matvec(w, x):
-    return _clipped_matvec_of(x, w)
-
-
 @pytest.mark.parametrize("name", ["lora", "diagonal", "tridiagonal", "int8"])
 @pytest.mark.parametrize(
-    "fn", [_doubled_tangent_matvec, _clipped_matvec], ids=["filter_custom_jvp", "filter_custom_vjp"]
+    "fn",
+    [_cases.doubled_tangent_matvec, _cases.clipped_matvec],
+    ids=["filter_custom_jvp", "filter_custom_vjp"],
 )
 def test_filter_custom_derivatives_wrt_a_plain_argument(name, fn):
     make = {
