@@ -184,11 +184,7 @@ def _is_symbolic_zero(t) -> bool:
 
 def _instantiated(primal, tangent):
     """A tangent as an array: zeros (of the tangent dtype) for a symbolic zero."""
-    if not _is_symbolic_zero(tangent):
-        return tangent
-    if _is_inexact(primal):
-        return jnp.zeros(jnp.shape(primal), jnp.result_type(primal))
-    return _tangent_zeros_like(primal)
+    return _zeros_like_leaf(primal) if _is_symbolic_zero(tangent) else tangent
 
 
 def _rule_tangent(inputs: "_Flattened", position: int, primals, tangents):
