@@ -107,9 +107,8 @@ def dense_array(value: Value, primitive) -> Any:
     try:
         return _dense_of(value)
     except _RefusedForDerivative as error:
-        raise _refusal(error, value, primitive, "a derivative given as a Value, as") from (
-            error.error
-        )
+        what = "the values (a derivative that a rule gave as a Value)"
+        raise _refusal(error, value, primitive, what) from error.error
 
 
 def dense_tangent(value: Value, leaf_tangents: list, primitive) -> Any:
@@ -130,11 +129,10 @@ def dense_tangent(value: Value, leaf_tangents: list, primitive) -> Any:
     """
     slots, treedef = _array_slots(value)
     given = iter(leaf_tangents)
-    tangents = [
-        None if leaf is None else (t if eqx.is_inexact_array(leaf) else None)
-        for leaf in slots
-        for t in ([None] if leaf is None else [next(given)])
-    ]
+    tangents = []
+    for leaf in slots:
+        tangent = None if leaf is None else next(given)
+        tangents.append(tangent if eqx.is_inexact_array(leaf) else None)
     try:
         return _pushforward(value, jtu.tree_unflatten(treedef, tangents))
     except _RefusedForDerivative as error:
