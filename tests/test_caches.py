@@ -441,8 +441,8 @@ def test_a_refusal_to_materialise_is_a_materialisation_error_chained_from_it():
 # --- nothing kept that the user dropped -------------------------------------------
 
 
-def _model_step(mode: str, fn, w, x, big):
-    f = quaxlike.quaxify(fn)
+def _model_step(mode: str, fn, w, x, quaxified: bool = True):
+    f = quaxlike.quaxify(fn) if quaxified else fn
     if mode == "eager":
         return f(w, x)
     if mode == "jit":
@@ -454,18 +454,20 @@ def _model_step(mode: str, fn, w, x, big):
     if mode == "scan":
         return lax.scan(lambda c, _: (f(w, c), None), x, None, length=2)[0]
     if mode == "explain":
-        return quaxlike.explain(fn)(w, x)
+        return quaxlike.explain(fn)(w, x) if quaxified else f(w, x)
     if mode == "checked":
-        return quaxlike.quaxify(fn, check=True)(w, x)
+        return quaxlike.quaxify(fn, check=True)(w, x) if quaxified else f(w, x)
     raise AssertionError(mode)
 
 
-@pytest.mark.parametrize("mode", ["eager", "jit", "grad", "vmap", "scan", "explain", "checked"])
-def test_nothing_is_kept_after_the_user_drops_it(mode):
+def _kept_after_dropping(mode: str, quaxified: bool) -> int:
+    """How many of the arrays, Values and functions of three model steps are still
+    alive after the user dropped them: with a `LoraArray` through `quaxify`, or
+    with its dense array through plain JAX (`quaxified=False`)."""
     refs = []
     for i in range(3):
         big = jnp.full((128, 8), float(i))
-        w = _lora(i)
+        w = _lora(i) if quaxified else randn(i, (8, 8))
         x = randn(i + 10, (8,))
 
         def fn(w, x, big=big):
@@ -473,10 +475,21 @@ def test_nothing_is_kept_after_the_user_drops_it(mode):
             return inner(w, x) + jnp.sin(x) * 2
 
         closure = jax.jit(fn)
-        out = _model_step(mode, closure, w, x, big)
+        out = _model_step(mode, closure, w, x, quaxified)
         refs += [weakref.ref(o) for o in (big, w, x, fn, closure)]
         del big, w, x, fn, closure, out
-    assert _collected(*refs) == 0
+    return _collected(*refs)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "grad", "vmap", "scan", "explain", "checked"])
+def test_nothing_is_kept_after_the_user_drops_it(mode):
+    # What plain JAX keeps is JAX's (jax 0.12's `scan` keeps the constants its
+    # inner `jit`s closed over); quaxlike adds nothing to it. Before 0.12 plain
+    # JAX keeps none of them in any mode, so this asserts 0 there.
+    kept_by_plain_jax = _kept_after_dropping(mode, quaxified=False)
+    assert _kept_after_dropping(mode, quaxified=True) <= kept_by_plain_jax
+    if mode != "scan":
+        assert kept_by_plain_jax == 0
 
 
 # --- the other memos ----------------------------------------------------------------
@@ -530,13 +543,19 @@ def test_without_mesh_remembers_one_mesh():
 def test_the_unit_product_memo_is_bounded(monkeypatch):
     from quaxlike.examples.unitful import _unit
 
+    # The memo is the module's; earlier tests may have filled it with these very
+    # products (which then never reach the bound), so this test starts it empty.
     monkeypatch.setattr(_unit, "_MAX_PRODUCTS", 8)
+    monkeypatch.setattr(_unit, "_products", {})
     metre = _unit.Unit(m=1)
     unit = metre
+    sizes = []
     for n in range(2, 22):
         unit = unit * metre
         assert unit == _unit.Unit(m=n)
-        assert len(_unit._products) <= 8
+        sizes.append(len(_unit._products))
+    assert max(sizes) == 8 and all(size <= 8 for size in sizes)
+    assert sizes[-1] < 8  # cleared on reaching the bound, then filled again
 
 
 def test_the_rule_lock_is_reentrant_for_a_register_inside_a_subscriber():

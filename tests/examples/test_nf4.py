@@ -226,8 +226,15 @@ def test_grad_with_respect_to_the_scales(double_quant, getseed):
     grads = eqx.filter_jit(eqx.filter_grad(loss))(qmodel, x)
     assert grads.weight.packed is None and grads.weight.absmax is None
     expected = eqx.filter_jit(eqx.filter_grad(lambda m, x: loss(dequantize(m), x)))(qmodel, x)
-    assert tree_allclose(grads, expected, rtol=1e-5, atol=1e-6)
-    assert float(jnp.max(jnp.abs(grads.weight.scale))) > 0
+    assert tree_allclose(grads.bias, expected.bias, rtol=1e-5, atol=1e-6)
+    # A scale's gradient is a sum of products with cancellation: its float32
+    # round-off is relative to the largest gradients, not to the entry itself (an
+    # entry of 3e-4 was 1.8e-6 off with jax 0.12's summation order, at a largest
+    # gradient of 0.9, against 1e-6 allowed). The tolerance scales with the largest.
+    got, want = np.asarray(grads.weight.scale), np.asarray(expected.weight.scale)
+    largest = float(np.max(np.abs(want)))
+    assert largest > 0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * largest)
 
 
 def test_quantize_and_qlora_select_nf4():
