@@ -210,6 +210,49 @@ class Value(eqx.Module):
         """
         return self.materialise()
 
+    def joinable_form(self) -> "Value":
+        """The form this Value takes where it meets a plain array: a loop carry
+        that enters the loop as a plain array and leaves the body as this Value
+        (or the reverse), or a `cond` output that is this Value in one branch and
+        a plain array in another. Both sides must then be one type with one PyTree
+        structure; quaxlike gives this form on one side and `holding_plain` on the
+        other, instead of materialising this Value.
+
+        The base implementation returns `self`. A type whose static fields mean
+        something about derivatives changes them here, keeping the same array
+        and the same derivatives: LoRA puts a frozen `W` behind
+        `lax.stop_gradient` and turns the flag off, so that the plain array held
+        in `W` on the other side keeps its derivative.
+
+        **Returns:**
+
+        A Value of the same type, standing for the same array.
+        """
+        return self
+
+    def holding_plain(self, array: Any) -> "Value | None":
+        """A Value with this one's type, PyTree structure and static fields that
+        stands for exactly the plain `array` (of this Value's shape and dtype),
+        or `None` when this type cannot hold it exactly.
+
+        quaxlike calls it on `joinable_form()` (with abstract leaves,
+        `jax.ShapeDtypeStruct`s: use only their shapes and dtypes) where a plain
+        array meets a Value (see `joinable_form`). A loop state that starts as
+        `jnp.zeros` where the loop's body puts a Value is the common case: with
+        an answer, the carry keeps its type and nothing is materialised; with
+        `None` (the base implementation), the Value is materialised there as
+        before, or refuses to be.
+
+        **Arguments:**
+
+        - `array`: the plain array (a traced one, usually).
+
+        **Returns:**
+
+        The Value, or `None`.
+        """
+        return None
+
 
 class ArrayValue(Value):
     """A `Value` that stands for an array: adds `shape`, `dtype`, `ndim` and `size`,

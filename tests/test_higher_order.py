@@ -226,9 +226,13 @@ def test_a_callback_that_returns_in_a_branch_raises_at_run_time(getseed):
         computed = jax.pure_callback(lambda: np.ones(struct.shape, struct.dtype), struct)
         return lax.cond(p, lambda: computed * 1.0, lambda: m)
 
-    # Not computed by the callback directly: materialised (refused by LoRA).
-    with pytest.raises(quaxlike.BranchMaterialisationError):
-        jax.jit(quaxlike.quaxify(f))(lora, jnp.asarray(False))
+    # Not computed by the callback directly: a plain array, which the LoRA type
+    # holds (in `W`, with zero factors), so the branch taken is returned exactly.
+    run = jax.jit(quaxlike.quaxify(f))
+    for p, expected in [(False, lora.dense()), (True, jnp.ones(lora.shape))]:
+        out = run(lora, jnp.asarray(p))
+        assert isinstance(out, LoraArray)
+        assert tree_allclose(out.dense(), expected)
 
     def h(m, p):
         struct = jax.ShapeDtypeStruct(m.shape, m.dtype)

@@ -11,6 +11,7 @@ from .._rules import register
 from .._values import Value
 from ._branch_callbacks import abstract_template, callback_outputs, run_retyped
 from ._common import AnyValue, to_dense, to_dense_or_raise, type_signature
+from ._joins import join_side, joined_template
 
 
 @register(jc.cond_p)
@@ -19,13 +20,16 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
     # Branches may return different types at one position (a symbolic zero in one
     # branch, a dense array in the other). Try as they are; if JAX rejects the
     # branches as mismatched, give a host callback's result at such a position
-    # the type the other branches agree on (`_branch_callbacks`), and
+    # the type the other branches agree on (`_branch_callbacks`), where a plain
+    # array meets a Value let the Value's type hold it (`_joins`), and
     # materialise the other positions that disagree.
     dense: set[int] = set()
+    joins: dict[int, Value] = {}
     retyped: list[dict] = [{} for _ in branches]
     while True:
         signatures: list = [None] * len(branches)
         templates: list = [None] * len(branches)
+        declined: set[int] = set()
 
         def make_branch(i):
             if retyped[i]:
@@ -36,6 +40,12 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
             def branch(*ops):
                 out = body(*ops)
                 out = [_to_dense_output(o, j) if j in dense else o for j, o in enumerate(out)]
+                out = [
+                    join_side(o, joins[j], j, f"output {j} of `cond`", declined)
+                    if j in joins
+                    else o
+                    for j, o in enumerate(out)
+                ]
                 signatures[i] = [type_signature(o) for o in out]
                 templates[i] = [abstract_template(o) if isinstance(o, Value) else None for o in out]
                 return out
@@ -47,6 +57,11 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
         except QuaxlikeError:
             raise  # ours, from inside a branch: not JAX rejecting the branches' outputs
         except (TypeError, ValueError):
+            if declined:  # a type did not hold the plain array: materialise there
+                for j in declined:
+                    del joins[j]
+                    dense.add(j)
+                continue
             if any(s is None for s in signatures):
                 raise
             first = signatures[0]
@@ -57,8 +72,22 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
             if not new:
                 raise
             for j in sorted(new):
-                if not _retype_callbacks(j, branches, signatures, templates, retyped):
+                if j in joins:  # joined, and still not one type: materialise
+                    del joins[j]
                     dense.add(j)
+                elif _retype_callbacks(j, branches, signatures, templates, retyped):
+                    continue
+                elif (template := _join_template(j, templates)) is not None:
+                    joins[j] = template
+                else:
+                    dense.add(j)
+
+
+def _join_template(j: int, templates) -> Value | None:
+    """Where the branches giving a Value at output `j` agree on its joinable form
+    and any others give plain arrays: the template they are all held in."""
+    values = [t[j] for t in templates if t[j] is not None]
+    return joined_template(values) if values else None
 
 
 def _retype_callbacks(j: int, branches, signatures, templates, retyped) -> bool:

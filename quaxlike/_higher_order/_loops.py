@@ -21,26 +21,48 @@ from .._diagnostics import (
 from .._quaxify import lifted_call
 from .._rules import register
 from .._values import checked_aval, describe, Value
+from ._branch_callbacks import abstract_template
 from ._common import AnyValue, to_dense, to_dense_or_raise, type_signature
+from ._joins import join_side, joined_template
+
+
+@dataclasses.dataclass
+class _CarryPlan:
+    """What to do with the carries whose type the body changes: `dense` maps the
+    positions to materialise, and `joins` those where a plain array meets a Value
+    (`_joins`), to how they changed (their descriptions on entry, as the body
+    returns them); `joins` also holds the template of the joined type, and
+    `declined` the joins whose type did not hold the plain array on this try."""
+
+    dense: dict[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    joins: dict[int, tuple[Value, tuple[str, str]]] = dataclasses.field(default_factory=dict)
+    declined: set[int] = dataclasses.field(default_factory=set)
 
 
 def _run_with_carry_fallback(primitive, init, run):
-    """Call `run(dense, record)`, where `dense` maps the carry positions to
-    materialise to how they changed: (the carry's type on entry, as the body
-    returns it).
+    """Call `run(plan, record)`, where `plan` (a `_CarryPlan`) says which carry
+    positions to join or materialise.
 
-    A loop body may change the type of a carry (a symbolic zero becoming dense).
-    `run` records the signature of the carry the body returns; if JAX rejects the
-    loop, the positions that changed are materialised and the loop retraced.
+    A loop body may change the type of a carry (a symbolic zero becoming dense, a
+    state that starts as plain zeros becoming a Value). `run` records the
+    signature of the carry the body returns; if JAX rejects the loop, the
+    positions that changed are joined where a plain array meets a Value whose
+    type holds it, else materialised, and the loop retraced.
     """
-    dense: dict[int, tuple[str, str]] = {}
-    for _ in range(len(init) + 1):
+    plan = _CarryPlan()
+    for _ in range(2 * len(init) + 2):
         record: dict = {}
         try:
-            return run(dense, record)
+            return run(plan, record)
         except QuaxlikeError:
             raise  # ours, from inside the body: not JAX rejecting the carry
         except (TypeError, ValueError):
+            if plan.declined:  # a type did not hold the plain array: materialise there
+                for i in plan.declined:
+                    _, change = plan.joins.pop(i)
+                    plan.dense[i] = change
+                plan.declined.clear()
+                continue
             out_types = record.get("carry_out")
             if out_types is None:
                 raise
@@ -48,7 +70,7 @@ def _run_with_carry_fallback(primitive, init, run):
             changed = {i for i, (a, b) in enumerate(zip(in_types, out_types)) if a != b}
             if not changed:
                 raise
-            if changed <= dense.keys():
+            if changed <= plan.dense.keys():
                 i = min(changed)
                 before, after = _change(record, i)
                 raise CarryChangedError(
@@ -56,9 +78,23 @@ def _run_with_carry_fallback(primitive, init, run):
                         primitive=primitive.name, index=i, before=before, after=after
                     )
                 ) from None
-            for i in changed - dense.keys():
-                dense[i] = _change(record, i)
+            for i in changed - plan.dense.keys():
+                if i in plan.joins:  # joined, and still not one type: materialise
+                    _, change = plan.joins.pop(i)
+                    plan.dense[i] = change
+                elif (template := _join_template(record, i)) is not None:
+                    plan.joins[i] = (template, _change(record, i))
+                else:
+                    plan.dense[i] = _change(record, i)
     raise AssertionError("unreachable")
+
+
+def _join_template(record: dict, i: int) -> Value | None:
+    """Where carry `i` is a Value on entry or as the body returns it (or both, in
+    forms that join): the template both sides are held in."""
+    sides = [record["carry_in_templates"][i], record["carry_out_templates"][i]]
+    values = [side for side in sides if side is not None]
+    return joined_template(values) if values else None
 
 
 def _change(record: dict, i: int) -> tuple[str, str]:
@@ -70,15 +106,21 @@ def _change(record: dict, i: int) -> tuple[str, str]:
     return before, after
 
 
-def _densify(values, dense: dict[int, tuple[str, str]], primitive):
-    """`values` with the carries at the positions in `dense` materialised; a
-    carry that refuses gives a `CarryMaterialisationError` saying how it changed."""
+def _densify(values, plan: _CarryPlan, primitive):
+    """`values` with the carries at the positions in `plan.dense` materialised and
+    those in `plan.joins` joined; a carry that refuses to be materialised gives a
+    `CarryMaterialisationError` saying how it changed."""
     out = []
     for i, v in enumerate(values):
-        if i not in dense:
+        if i in plan.joins:
+            template, _ = plan.joins[i]
+            where = f"carry {i} of `{primitive.name}`"
+            out.append(join_side(v, template, i, where, plan.declined))
+            continue
+        if i not in plan.dense:
             out.append(v)
             continue
-        before, after = dense[i]
+        before, after = plan.dense[i]
         out.append(
             to_dense_or_raise(
                 v,
@@ -98,6 +140,9 @@ def _densify(values, dense: dict[int, tuple[str, str]], primitive):
 def _record(record, key, values):
     record[key] = [type_signature(v) for v in values]
     record[key + "_text"] = [_described(v) for v in values]
+    record[key + "_templates"] = [
+        abstract_template(v) if isinstance(v, Value) else None for v in values
+    ]
 
 
 def _described(value) -> str:
@@ -168,8 +213,8 @@ def while_p_values(
         (predicate,) = cond_fun(*cond_consts, *c)
         return _dense_predicate(predicate, cond_jaxpr.out_avals[0])
 
-    def run(dense, record):
-        carry = _densify(init, dense, jc.while_p)
+    def run(plan, record):
+        carry = _densify(init, plan, jc.while_p)
         _record(record, "carry_in", carry)
 
         def cond(c):
@@ -183,7 +228,7 @@ def while_p_values(
             if batched_predicate:
                 predicate = predicate_of(c)
                 out = [_keep_where_false(predicate, n, o) for n, o in zip(out, c)]
-            out = _densify(out, dense, jc.while_p)
+            out = _densify(out, plan, jc.while_p)
             _record(record, "carry_out", out)
             return out
 
@@ -263,13 +308,13 @@ def scan_p_values(*args: AnyValue, reverse: bool, length: int, jaxpr, unroll=1, 
     ]
     body_fun = ft.partial(lifted_call, jc.jaxpr_as_fun(jaxpr))
 
-    def run(dense, record):
-        carry = _densify(init, dense, jc.scan_p)
+    def run(plan, record):
+        carry = _densify(init, plan, jc.scan_p)
         _record(record, "carry_in", carry)
 
         def body(c, x):
             out = body_fun(*consts, *c, *x)
-            carry_out = _densify(out[:num_carry], dense, jc.scan_p)
+            carry_out = _densify(out[:num_carry], plan, jc.scan_p)
             _record(record, "carry_out", carry_out)
             ys = [
                 to_dense(y, jc.scan_p)

@@ -7,6 +7,7 @@ The fields, the checks on them, freezing `W` and refusing to materialise live he
 once; each subclass says how its update is laid out and built.
 """
 
+import dataclasses
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -122,6 +123,42 @@ class LowRankValue(quaxlike.ArrayValue):
             stop = lambda x: lax.stop_gradient(x) if eqx.is_array(x) else x  # noqa: E731
             return jax.tree_util.tree_map(stop, self.w)
         return lax.stop_gradient(self.w)
+
+    def thawed(self) -> Any:
+        """This value with its frozen weight behind `lax.stop_gradient` and the flag
+        off: the same array and the same derivatives, for rules that combine `W`
+        with other traced values.
+
+        **Returns:**
+
+        A value of the same type (`self` when `W` is not frozen).
+        """
+        if not self.stop_gradient:
+            return self
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        fields.update(w=self.frozen_weight(), stop_gradient=False)
+        return type(self)._from_fields(**fields)
+
+    def joinable_form(self) -> Any:
+        # Where a plain array meets this value (a loop state that starts as
+        # zeros), the plain side holds the array in `W`: `W` must not be frozen
+        # there, or the array's derivative would stop. Thawed, both sides agree.
+        return self.thawed()
+
+    def holding_plain(self, array: Any) -> Any:
+        # `array + 0 @ 0`: the array in `W`, zero factors, exactly `array`. A Value
+        # `W` (a quantised weight) cannot hold an arbitrary array.
+        parts = (self.w, self.a, self.b)
+        if any(isinstance(part, quaxlike.Value) for part in parts):
+            return None
+        if shape_of(array) != shape_of(self.w) or jnp.result_type(array) != self.w.dtype:
+            return None
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        if any(hasattr(v, "shape") for k, v in fields.items() if k not in ("w", "a", "b")):
+            return None  # other arrays (a subclass's): nothing known to put there
+        zeros = lambda leaf: jnp.zeros(leaf.shape, leaf.dtype)  # noqa: E731
+        fields.update(w=array, a=zeros(self.a), b=zeros(self.b))
+        return type(self)._from_fields(**fields)
 
     def materialise(self) -> Any:
         if not self.allow_materialise:

@@ -8,10 +8,10 @@ the three arrays and give another `LoraArray`. Every rule redispatches through
 whose factors are `Zero`).
 """
 
-import dataclasses
 import math
 from typing import cast, TypeVar
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.core import Tracer
@@ -268,14 +268,35 @@ def _scale_by(x: _LowRank, scale, op) -> _LowRank:
 
 
 def _thawed(x: _L) -> _L:
-    """`x` with its frozen weight behind `lax.stop_gradient` and the flag off: the
-    same array and the same derivatives, for rules that combine `W` with other
-    traced values."""
-    if not x.stop_gradient:
-        return x
-    fields = {field.name: getattr(x, field.name) for field in dataclasses.fields(x)}
-    fields.update(w=x.frozen_weight(), stop_gradient=False)
-    return type(x)._from_fields(**fields)
+    """`x` with its frozen weight behind `lax.stop_gradient` and the flag off
+    (`LowRankValue.thawed`)."""
+    return x.thawed()
+
+
+@quaxlike.register(lax.select_n_p)
+def select_n_p_lora(predicate: ArrayLike, *cases: ArrayLike | _LowRank):
+    # A scalar predicate picks one case whole, so picking each of the arrays of
+    # cases laid out alike picks that case exactly: the LoRA cases in their
+    # joinable form, a plain case held in `W` with zero factors (what a solver's
+    # `where(accepted, new_state, old_state)` meets, its first state plain zeros).
+    # An elementwise predicate mixes the cases: no rule (materialise).
+    if jnp.ndim(predicate) != 0:
+        return NotImplemented
+    template = next(c for c in cases if isinstance(c, _LowRank)).joinable_form()
+    joined = [
+        c.joinable_form() if isinstance(c, _LowRank) else template.holding_plain(c) for c in cases
+    ]
+    if any(j is None for j in joined) or len({_layout(j) for j in joined}) != 1:
+        return NotImplemented
+    leaves = [jax.tree_util.tree_flatten(j) for j in joined]
+    treedef = leaves[0][1]
+    picked = [lax.select_n(predicate, *parts) for parts in zip(*(ls for ls, _ in leaves))]
+    return jax.tree_util.tree_unflatten(treedef, picked)
+
+
+def _layout(value: _LowRank):
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    return treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves)
 
 
 @quaxlike.register(lax.mul_p)

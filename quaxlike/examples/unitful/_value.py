@@ -14,6 +14,7 @@ from jaxtyping import ArrayLike
 import quaxlike
 from quaxlike.internal import materialise_value, ShapedArray, with_leaf_specs
 
+from ._constants import fits_every_unit
 from ._quax_names import as_unit, units_of
 from ._unit import dimensionless, Unit
 
@@ -161,6 +162,19 @@ class Unitful(quaxlike.ArrayValue):
         # quantity's own unit (its `array` leaf); dimensionless ones, of the
         # plain array they materialise to.
         return self.materialise() if self.unit.dimensionless else self.array
+
+    def holding_plain(self, array: Any) -> "Unitful | None":
+        # A plain array is a dimensionless number: it holds a unit only where its
+        # value is known to fit every unit (0, +-inf, NaN everywhere), such as a
+        # solver's state that starts as `jnp.zeros` and becomes a quantity.
+        if jnp.shape(array) != jnp.shape(self.array):
+            return None
+        if jnp.result_type(array) != jnp.result_type(self.array):
+            return None
+        plain_number = self.unit.dimensionless and self.unit == self.unit.si
+        if not (plain_number or fits_every_unit(array)):
+            return None
+        return Unitful(array, self.unit)
 
     def to(self, unit: Unit) -> "Unitful":
         """The same quantity expressed in `unit`.
