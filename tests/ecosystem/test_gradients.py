@@ -158,10 +158,7 @@ def test_diffrax_implicit_adjoint_of_a_steady_state():
     np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["lora", "tridiagonal"])
-def test_optimistix_root_find_gradient_by_implicit_differentiation(name):
-    matrix = {"lora": _cases.lora_general, "tridiagonal": _cases.tridiagonal}[name](jr.key(0))
-
+def _solve_by(kind: str):
     def residual(y, args):
         m, b = args
         return m @ y + 0.1 * jnp.tanh(y) - b
@@ -169,6 +166,22 @@ def test_optimistix_root_find_gradient_by_implicit_differentiation(name):
     def root(m, b):
         solver = optx.Newton(rtol=1e-6, atol=1e-6)
         return optx.root_find(residual, solver, jnp.zeros_like(b), args=(m, b)).value
+
+    def least_squares(m, b):
+        # The loop state starts with a plain zero where the Jacobian operator
+        # closes over `m`: a LoRA holds it (`Value.holding_plain`), thawed.
+        solver = optx.GaussNewton(rtol=1e-6, atol=1e-6)
+        return optx.least_squares(residual, solver, jnp.zeros_like(b), args=(m, b)).value
+
+    return {"root": root, "least_squares": least_squares}[kind]
+
+
+@pytest.mark.parametrize(
+    "name, kind", [("lora", "root"), ("tridiagonal", "root"), ("lora", "least_squares")]
+)
+def test_optimistix_gradient_by_implicit_differentiation(name, kind):
+    matrix = {"lora": _cases.lora_general, "tridiagonal": _cases.tridiagonal}[name](jr.key(0))
+    root = _solve_by(kind)
 
     def loss(solve, m, b):
         return jnp.sum(solve(m, b) ** 2)
@@ -196,3 +209,26 @@ def test_checkpointed_while_loop_gradient(name):
     expected = jax.grad(iterate, argnums=1)(_cases.dense_of(w), x0)
     got = jax.grad(lambda x: quaxlike.quaxify(iterate)(w, x))(x0)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["root", "least_squares"])
+def test_optimistix_gradient_wrt_a_lora_matrix_s_factors(kind):
+    # Through the solve's implicit derivative and, in least squares, through the
+    # joined loop state (the frozen `W` thawed behind `stop_gradient`).
+    lora = _cases.lora_general(jr.key(0))
+    w, a, b_factor = lora.w, lora.a, 0.1 * jr.normal(jr.key(5), lora.b.shape)
+    solve = _solve_by(kind)
+    vector = jnp.linspace(1.0, 2.0, _cases.N)
+
+    def dense_loss(a, b_factor):
+        return jnp.sum(solve(jax.lax.stop_gradient(w) + a @ b_factor, vector) ** 2)
+
+    def loss(a, b_factor):
+        matrix = LoraArray.from_factors(w, a, b_factor)
+        return jnp.sum(quaxlike.quaxify(solve)(matrix, vector) ** 2)
+
+    expected = jax.grad(dense_loss, argnums=(0, 1))(a, b_factor)
+    got = jax.grad(loss, argnums=(0, 1))(a, b_factor)
+    for g, e in zip(got, expected):
+        assert float(jnp.max(jnp.abs(e))) > 0
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-6)
