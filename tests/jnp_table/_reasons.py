@@ -50,10 +50,10 @@ _UNITFUL = {
         ),
     ),
     "jnp.polyval": (
-        "its loop starts the running value as a plain zero array, which becomes a "
-        "quantity in the first step: a loop carry must keep its type, and a plain "
-        "zero cannot be given a unit after the fact (the error says so, naming "
-        "`scan`)."
+        "its loop starts the running value as a plain zero array and adds the "
+        "coefficients (in m) to it inside the loop, where its value is no longer "
+        "known to be 0: refused at that `add`, naming the way out (a quantity "
+        "holds a plain zero only where the zero is known)."
     ),
     **dict.fromkeys(
         [
