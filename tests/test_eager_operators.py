@@ -45,7 +45,7 @@ def _eager(fn):
 
 def _shortcuts_taken() -> int:
     """How many (operator, operand kinds, avals) the shortcut applies to."""
-    return sum(_eager_operators._applies.values())
+    return sum(applies for applies, _ in _eager_operators._applies.values())
 
 
 def _fresh_dense():

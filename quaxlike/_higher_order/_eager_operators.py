@@ -39,10 +39,14 @@ _OPERATORS = {
 # Other operands the shortcut takes: concrete arrays, NumPy arrays, numbers.
 _OPERANDS = (jax.Array, bool, int, float, complex, np.ndarray)
 
-# (operator name, operand kinds, operand avals) -> whether the shortcut applies,
-# least recently used first; at most `_MAX_VERDICTS` (the bound of JAX's own
-# caches), emptied when a rule is registered (docs/caches.md).
-_applies: dict[tuple, bool] = {}
+# (operator name, operand kinds, operand avals) -> [whether the shortcut applies,
+# whether it was used since the last eviction sweep]; at most `_MAX_VERDICTS`
+# (the bound of JAX's own caches), emptied when a rule is registered
+# (docs/caches.md). Eviction gives a second chance to entries used since the
+# last sweep (the "clock" approximation of least recently used): a hit only
+# sets a flag, because moving the entry would hash its key again, which costs
+# as much as the lookup itself (its avals and shardings).
+_applies: dict[tuple, list[bool]] = {}
 _MAX_VERDICTS = 4096
 on_rules_changed(_applies.clear)
 
@@ -52,11 +56,23 @@ def _remember(key: tuple, applies: bool, generation: int) -> None:
         if generation != rules_generation():
             return  # a rule was registered meanwhile: the verdict may predate it
         while len(_applies) >= _MAX_VERDICTS:
-            try:
-                del _applies[next(iter(_applies))]
-            except (StopIteration, RuntimeError, KeyError):
-                break
-        _applies[key] = applies
+            _evict_one()
+        _applies[key] = [applies, False]
+
+
+def _evict_one() -> None:
+    """Drop the oldest entry not used since the last sweep, moving the used ones
+    it passes to the back (each at most once per call, so this ends)."""
+    for _ in range(len(_applies) + 1):
+        try:
+            key = next(iter(_applies))
+            entry = _applies.pop(key)
+        except (StopIteration, RuntimeError, KeyError):
+            return
+        if not entry[1]:
+            return
+        entry[1] = False
+        _applies[key] = entry
 
 
 def _operand_key(x, tracer_aval) -> tuple:
@@ -102,11 +118,12 @@ def _dense_operator(tracer: QuaxTracer, name: str, function, other):
     value = tracer.value
     try:
         key = (name, _operand_key(value, tracer.aval), _operand_key(other, other_aval))
-        applies = _applies.pop(key, None)
+        entry = _applies.get(key)
     except TypeError:  # an unhashable aval or sharding
         return NotImplemented
-    if applies is not None:
-        _applies[key] = applies  # now the most recently used
+    if entry is not None:
+        entry[1] = True  # used: kept at the next eviction sweep
+        applies = entry[0]
     else:
         generation = rules_generation()
         applies = _applies_to(trace.parent_trace, function, value, tracer.aval, other, other_aval)
