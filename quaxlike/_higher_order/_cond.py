@@ -59,8 +59,7 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
         except (TypeError, ValueError):
             if declined:  # a type did not hold the plain array: materialise there
                 for j in declined:
-                    del joins[j]
-                    dense.add(j)
+                    _materialise_instead(j, joins, dense)
                 continue
             if any(s is None for s in signatures):
                 raise
@@ -73,21 +72,19 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
                 raise
             for j in sorted(new):
                 if j in joins:  # joined, and still not one type: materialise
-                    del joins[j]
-                    dense.add(j)
+                    _materialise_instead(j, joins, dense)
                 elif _retype_callbacks(j, branches, signatures, templates, retyped):
                     continue
-                elif (template := _join_template(j, templates)) is not None:
+                elif (template := joined_template([t[j] for t in templates])) is not None:
                     joins[j] = template
                 else:
                     dense.add(j)
 
 
-def _join_template(j: int, templates) -> Value | None:
-    """Where the branches giving a Value at output `j` agree on its joinable form
-    and any others give plain arrays: the template they are all held in."""
-    values = [t[j] for t in templates if t[j] is not None]
-    return joined_template(values) if values else None
+def _materialise_instead(j: int, joins: dict[int, Value], dense: set[int]) -> None:
+    """Output `j`, planned as a join, materialised instead."""
+    del joins[j]
+    dense.add(j)
 
 
 def _retype_callbacks(j: int, branches, signatures, templates, retyped) -> bool:

@@ -30,28 +30,66 @@ _HOLDING_MISMATCH = (
 )
 
 
-def joined_template(values: list[Value]) -> Value | None:
+def joined_template(sides: list[Any]) -> Value | None:
     """The abstract form (`jax.ShapeDtypeStruct` leaves) that the Values meeting
     at one place take there, `value.joinable_form()`, to build a plain side's
-    Value from; `None` unless their joinable forms agree.
+    Value from; `None` where no Value meets there or their joinable forms differ.
 
     **Arguments:**
 
-    - `values`: the Values meeting (concrete or abstract leaves): a `cond`
-        output's in the branches giving a Value, a loop carry on entry and as the
-        body returns it.
+    - `sides`: what meets, each a Value (concrete or abstract leaves) or `None`
+        for a plain array: a `cond` output in each branch, a loop carry on entry
+        and as the body returns it.
 
     **Returns:**
 
     A Value with abstract leaves, or `None`.
     """
     forms = [
-        eqx.filter_eval_shape(lambda v: v.joinable_form(), abstract_template(value))
-        for value in values
+        eqx.filter_eval_shape(lambda v: v.joinable_form(), abstract_template(side))
+        for side in sides
+        if side is not None
     ]
-    if len({_structure(form) for form in forms}) != 1:
+    if not forms or len({_structure(form) for form in forms}) != 1:
         return None
     return forms[0]
+
+
+def joined(xs: list[Any]) -> list[Value] | None:
+    """`xs`, Values and plain arrays of one shape and dtype meeting in one
+    operation (a `select_n` of them, say), as Values of one type and structure:
+    the Values in their joinable forms, the plain arrays held by that type;
+    `None` where the forms differ or the type does not hold a plain array.
+
+    **Arguments:**
+
+    - `xs`: the operands, in the current trace, at least one a Value.
+
+    **Returns:**
+
+    The joined Values, in the order of `xs`, or `None`.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.lora import LoraArray
+
+        lora = LoraArray(jnp.eye(3), rank=1, key=jax.random.key(0))
+        held, same = quaxlike.internal.joined([jnp.ones((3, 3)), lora])
+        assert jnp.allclose(held.dense(), jnp.ones((3, 3)))
+        assert jnp.allclose(same.dense(), lora.dense())
+        ```
+    """
+    forms = [x.joinable_form() if isinstance(x, Value) else None for x in xs]
+    template = next(form for form in forms if form is not None)
+    expected = _structure(template)
+    out: list[Value] = []
+    for x, form in zip(xs, forms):
+        value = form if form is not None else template.holding_plain(x)
+        if value is None or _structure(value) != expected:
+            return None
+        out.append(value)
+    return out
 
 
 def join_side(x: Any, template: Value, position: int, where: str, declined: set[int]) -> Any:

@@ -38,6 +38,11 @@ class _CarryPlan:
     joins: dict[int, tuple[Value, tuple[str, str]]] = dataclasses.field(default_factory=dict)
     declined: set[int] = dataclasses.field(default_factory=set)
 
+    def materialise_instead(self, i: int) -> None:
+        """Carry `i`, planned as a join, materialised instead."""
+        _, change = self.joins.pop(i)
+        self.dense[i] = change
+
 
 def _run_with_carry_fallback(primitive, init, run):
     """Call `run(plan, record)`, where `plan` (a `_CarryPlan`) says which carry
@@ -59,8 +64,7 @@ def _run_with_carry_fallback(primitive, init, run):
         except (TypeError, ValueError):
             if plan.declined:  # a type did not hold the plain array: materialise there
                 for i in plan.declined:
-                    _, change = plan.joins.pop(i)
-                    plan.dense[i] = change
+                    plan.materialise_instead(i)
                 plan.declined.clear()
                 continue
             out_types = record.get("carry_out")
@@ -80,8 +84,7 @@ def _run_with_carry_fallback(primitive, init, run):
                 ) from None
             for i in changed - plan.dense.keys():
                 if i in plan.joins:  # joined, and still not one type: materialise
-                    _, change = plan.joins.pop(i)
-                    plan.dense[i] = change
+                    plan.materialise_instead(i)
                 elif (template := _join_template(record, i)) is not None:
                     plan.joins[i] = (template, _change(record, i))
                 else:
@@ -92,9 +95,7 @@ def _run_with_carry_fallback(primitive, init, run):
 def _join_template(record: dict, i: int) -> Value | None:
     """Where carry `i` is a Value on entry or as the body returns it (or both, in
     forms that join): the template both sides are held in."""
-    sides = [record["carry_in_templates"][i], record["carry_out_templates"][i]]
-    values = [side for side in sides if side is not None]
-    return joined_template(values) if values else None
+    return joined_template([record["carry_in_templates"][i], record["carry_out_templates"][i]])
 
 
 def _change(record: dict, i: int) -> tuple[str, str]:

@@ -1,5 +1,6 @@
 """Helpers for authors of Value types. No stability promise: see README.md."""
 
+from .._higher_order._joins import joined as joined
 from .._jax_compat import (
     AbstractValue as AbstractValue,
     jaxprs_in_params as jaxprs_in_params,

@@ -135,9 +135,7 @@ class LowRankValue(quaxlike.ArrayValue):
         """
         if not self.stop_gradient:
             return self
-        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        fields.update(w=self.frozen_weight(), stop_gradient=False)
-        return type(self)._from_fields(**fields)
+        return self._replaced(w=self.frozen_weight(), stop_gradient=False)
 
     def joinable_form(self) -> Any:
         # Where a plain array meets this value (a loop state that starts as
@@ -153,12 +151,12 @@ class LowRankValue(quaxlike.ArrayValue):
             return None
         if shape_of(array) != shape_of(self.w) or jnp.result_type(array) != self.w.dtype:
             return None
-        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        if any(hasattr(v, "shape") for k, v in fields.items() if k not in ("w", "a", "b")):
+        fields = dataclasses.fields(self)
+        others = (getattr(self, f.name) for f in fields if f.name not in ("w", "a", "b"))
+        if any(hasattr(other, "shape") for other in others):
             return None  # other arrays (a subclass's): nothing known to put there
         zeros = lambda leaf: jnp.zeros(leaf.shape, leaf.dtype)  # noqa: E731
-        fields.update(w=array, a=zeros(self.a), b=zeros(self.b))
-        return type(self)._from_fields(**fields)
+        return self._replaced(w=array, a=zeros(self.a), b=zeros(self.b))
 
     def materialise(self) -> Any:
         if not self.allow_materialise:
@@ -217,6 +215,13 @@ class LowRankValue(quaxlike.ArrayValue):
     def dense_from(self, w: Any, a: Any, b: Any) -> Any:
         """`w` plus the update built from `a` and `b`, in this type's layout."""
         raise NotImplementedError(f"{type(self).__name__} defines no `dense_from`.")
+
+    def _replaced(self, **changes: Any) -> Any:
+        """A copy with the fields in `changes` replaced, built field by field (the
+        static ones too, which `eqx.tree_at` cannot change)."""
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        fields.update(changes)
+        return type(self)._from_fields(**fields)
 
     @classmethod
     def _from_fields(cls, **fields: Any) -> Any:

@@ -263,14 +263,8 @@ def _scale_by(x: _LowRank, scale, op) -> _LowRank:
     # itself. A constant `s` carries none, and is folded into the frozen W: the
     # result keeps the input's form (a loop carry `m * 0.5` keeps its type).
     scaled = lambda v: op(v, scale)  # noqa: E731
-    thawed = _thawed(x) if isinstance(scale, Tracer) else x
+    thawed = x.thawed() if isinstance(scale, Tracer) else x
     return _apply(thawed, scaled, scaled, lambda v: v)
-
-
-def _thawed(x: _L) -> _L:
-    """`x` with its frozen weight behind `lax.stop_gradient` and the flag off
-    (`LowRankValue.thawed`)."""
-    return x.thawed()
 
 
 @quaxlike.register(lax.select_n_p)
@@ -282,21 +276,13 @@ def select_n_p_lora(predicate: ArrayLike, *cases: ArrayLike | _LowRank):
     # An elementwise predicate mixes the cases: no rule (materialise).
     if jnp.ndim(predicate) != 0:
         return NotImplemented
-    template = next(c for c in cases if isinstance(c, _LowRank)).joinable_form()
-    joined = [
-        c.joinable_form() if isinstance(c, _LowRank) else template.holding_plain(c) for c in cases
-    ]
-    if any(j is None for j in joined) or len({_layout(j) for j in joined}) != 1:
+    joined = quaxlike.internal.joined(list(cases))
+    if joined is None:
         return NotImplemented
     leaves = [jax.tree_util.tree_flatten(j) for j in joined]
     treedef = leaves[0][1]
     picked = [lax.select_n(predicate, *parts) for parts in zip(*(ls for ls, _ in leaves))]
     return jax.tree_util.tree_unflatten(treedef, picked)
-
-
-def _layout(value: _LowRank):
-    leaves, treedef = jax.tree_util.tree_flatten(value)
-    return treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves)
 
 
 @quaxlike.register(lax.mul_p)
