@@ -22,13 +22,13 @@ from jax.sharding import PartitionSpec
 from jaxtyping import ArrayLike, PRNGKeyArray, PyTree
 
 import quaxlike
-from quaxlike.internal import follow_axes, logical_entries, ShapedArray, with_leaf_specs
+from quaxlike.internal import logical_entries, ShapedArray
 
 from ..selection import dotted_path, is_value
 from ._base import LowRankValue, shape_of
 from ._conv import LoraConvKernel
 from ._model import loraify
-from ._value import LoraArray
+from ._value import LoraArray, matrix_factor_leaf_specs
 
 
 _REFUSE_MSG = (
@@ -104,15 +104,12 @@ class MultiLoraArray(LowRankValue):
 
         This value with a `PartitionSpec` in place of each leaf.
         """
-        ndim = self.logical_ndim()
-        entries = logical_entries(spec, ndim)
-        lead = list(range(ndim - 2))
-        return with_leaf_specs(
-            self,
-            w=self.weight_leaf_specs(PartitionSpec(*entries[1:])),
-            a=follow_axes(entries, [*lead, ndim - 2, None]),
-            b=follow_axes(entries, [*lead, None, ndim - 1]),
-        )
+
+        def shared_weight_specs(spec):  # W has no adapter axis: the spec without it
+            entries = logical_entries(spec, self.logical_ndim())
+            return self.weight_leaf_specs(PartitionSpec(*entries[1:]))
+
+        return matrix_factor_leaf_specs(self, spec, shared_weight_specs)
 
     def logical_ndim(self) -> int:
         if self.a is not None or self.b is not None:

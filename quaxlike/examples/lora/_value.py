@@ -152,15 +152,7 @@ class LoraArray(LowRankValue):
 
         This value with a `PartitionSpec` in place of each leaf.
         """
-        ndim = self.logical_ndim()
-        entries = logical_entries(spec, ndim)
-        lead = list(range(ndim - 2))
-        return with_leaf_specs(
-            self,
-            w=self.weight_leaf_specs(spec),
-            a=follow_axes(entries, [*lead, ndim - 2, None]),
-            b=follow_axes(entries, [*lead, None, ndim - 1]),
-        )
+        return matrix_factor_leaf_specs(self, spec, self.weight_leaf_specs)
 
     def dense_from(self, w: Any, a: Any, b: Any) -> Any:
         """`w + a @ b`."""
@@ -179,6 +171,23 @@ class LoraArray(LowRankValue):
         A new `LoraArray`.
         """
         return eqx.tree_at(lambda x: (x.w, x.a, x.b), self, (w, a, b))
+
+
+def matrix_factor_leaf_specs(value: LowRankValue, spec: Any, weight_specs) -> Any:
+    """`value` (with `A` of shape `(*lead, m, rank)` and `B` `(*lead, rank, n)`)
+    with a `PartitionSpec` in place of each leaf, for a sharding `spec` of the
+    array it stands for: `A` along its rows, `B` along its columns, the rank axis
+    never split, and `W` as `weight_specs(spec)` says (`LoraArray` and
+    `MultiLoraArray` differ only there)."""
+    ndim = value.logical_ndim()
+    entries = logical_entries(spec, ndim)
+    lead = list(range(ndim - 2))
+    return with_leaf_specs(
+        value,
+        w=weight_specs(spec),
+        a=follow_axes(entries, [*lead, ndim - 2, None]),
+        b=follow_axes(entries, [*lead, None, ndim - 1]),
+    )
 
 
 @ft.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
