@@ -253,6 +253,40 @@ class Value(eqx.Module):
         """
         return None
 
+    def stand_in_for_plain(self, array: Any) -> "Value | None":
+        """A Value of this type that a plain loop carry enters the body as while
+        the loop rule works out the carry's type, or `None` (the base
+        implementation).
+
+        A loop's body may refuse a plain carry that it would accept as this type:
+        a solver's buffer that starts as plain `inf` and that the body fills with
+        quantities in metres (or multiplies by a time) is refused by `Unitful` as
+        a plain number inside the body, where its value is no longer known. When
+        the body raises an error of ours with the carries as they are, quaxlike
+        traces it once more with each plain carry replaced by the stand-in one of
+        the loop's Values offers, only to see what the body returns there:
+
+        - a Value of another structure (the stand-in came back in metres): the
+          carry is joined (`holding_plain` of that Value), and the loop is traced
+          again from the plain array, with every check of the type in force;
+        - the stand-in's own structure: the carry stays plain.
+
+        That extra trace's results are dropped, so a stand-in never leaves the
+        loop rule. It is made once per loop: a carry whose type shows only once
+        another carry found this way has its own (a sum of products of it) is
+        not found, and the body's error is raised, as it is when nothing comes
+        back joined.
+
+        **Arguments:**
+
+        - `array`: the plain carry as it enters the loop.
+
+        **Returns:**
+
+        The stand-in, or `None`.
+        """
+        return None
+
 
 class ArrayValue(Value):
     """A `Value` that stands for an array: adds `shape`, `dtype`, `ndim` and `size`,

@@ -4,6 +4,7 @@ with a scalar predicate): the Value's type holds the plain array
 derivative is compared with the same function on the dense arrays.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -166,11 +167,16 @@ def _latest(x, start):
 def test_a_quantity_holds_a_plain_zero_it_meets_in_a_loop():
     # A plain 0 fits every unit: the carry that starts as `jnp.zeros` is a
     # quantity in metres from the start. Its value must be known while tracing
-    # (here, eagerly).
+    # (eagerly, or computed inside a `jit` from constants).
     from quaxlike.examples.unitful import m, Unitful
 
     x = Unitful(randn(0, (3,)), m)
     out = quaxlike.quaxify(lambda x: _latest(x, jnp.zeros(3)))(x)
+    assert isinstance(out, Unitful) and out.unit == m
+    np.testing.assert_allclose(out.array, 2 * x.array, rtol=1e-6)
+    # Inside a `jit` of Unitful's the zero is known too (and the table of known
+    # values keeps none of the loop body's tracers alive: the leak checker is on).
+    out = quaxlike.quaxify(eqx.filter_jit(lambda x: _latest(x, jnp.zeros(3))))(x)
     assert isinstance(out, Unitful) and out.unit == m
     np.testing.assert_allclose(out.array, 2 * x.array, rtol=1e-6)
 
@@ -183,3 +189,63 @@ def test_a_quantity_does_not_hold_a_plain_array_of_unknown_value():
     x = Unitful(randn(0, (3,)), m)
     with pytest.raises(quaxlike.CarryMaterialisationError, match="carry 1"):
         jax.jit(quaxlike.quaxify(_latest))(x, jnp.ones(3))
+
+
+def _decaying_sum(x, start):
+    # `acc * 0.5 + x`: inside the body the plain carry's value is unknown, so a
+    # quantity refuses it as a plain number; it holds metres from the start.
+    return lax.fori_loop(0, 3, lambda i, acc: acc * 0.5 + x, start)
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_a_plain_carry_takes_the_unit_the_loop_body_gives_it(jitted):
+    from quaxlike.examples.unitful import m, Unitful
+
+    x = Unitful(randn(0, (3,)), m)
+    fn = lambda x: _decaying_sum(x, jnp.zeros(3))  # noqa: E731
+    fn = eqx.filter_jit(fn) if jitted else fn
+    out = quaxlike.quaxify(fn)(x)
+    assert isinstance(out, Unitful) and out.unit == m
+    np.testing.assert_allclose(out.array, _decaying_sum(x.array, jnp.zeros(3)), rtol=1e-6)
+
+    def loss(array, f):
+        return (f(array) ** 2).sum()
+
+    quaxified = lambda a: quaxlike.quaxify(fn)(Unitful(a, m)).array  # noqa: E731
+    dense = lambda a: _decaying_sum(a, jnp.zeros(3))  # noqa: E731
+    np.testing.assert_allclose(
+        jax.grad(loss)(x.array, quaxified), jax.grad(loss)(x.array, dense), rtol=1e-6
+    )
+    tangent = jnp.arange(3.0)
+    np.testing.assert_allclose(
+        jax.jvp(quaxified, (x.array,), (tangent,))[1],
+        jax.jvp(dense, (x.array,), (tangent,))[1],
+        rtol=1e-6,
+    )
+
+
+def test_a_stand_in_never_leaves_the_loop():
+    # The counter starts as a plain zero too, and the body gives it no unit: it
+    # stays a plain array, while the sum becomes metres.
+    from quaxlike.examples.unitful import m, Unitful
+
+    x = Unitful(randn(0, (3,)), m)
+
+    def f(x):
+        body = lambda i, c: (c[0] * 0.5 + x, c[1] + 1.0)  # noqa: E731
+        return lax.fori_loop(0, 3, body, (jnp.zeros(3), jnp.zeros(())))
+
+    total, count = quaxlike.quaxify(f)(x)
+    assert isinstance(total, Unitful) and total.unit == m
+    assert not isinstance(count, quaxlike.Value)
+    np.testing.assert_allclose(count, 3.0)
+
+
+def test_a_plain_carry_of_unknown_value_is_still_refused_inside_the_body():
+    # Under an outer `jit` the plain start is not known to be 0: it is not
+    # given a unit, and the body's own error is raised.
+    from quaxlike.examples.unitful import m, UnitError, Unitful
+
+    x = Unitful(randn(0, (3,)), m)
+    with pytest.raises(UnitError, match="`add` got a plain array"):
+        jax.jit(quaxlike.quaxify(_decaying_sum))(x, jnp.zeros(3))

@@ -133,3 +133,9 @@ def _structure(value: Value):
         (tuple(leaf.shape), jax.numpy.dtype(leaf.dtype)) if hasattr(leaf, "shape") else repr(leaf)
         for leaf in leaves
     )
+
+
+def same_structure(a: Value, b: Value) -> bool:
+    """Whether two Values (concrete or abstract leaves) have one PyTree structure,
+    static fields included, and the same leaf shapes and dtypes."""
+    return _structure(a) == _structure(b)

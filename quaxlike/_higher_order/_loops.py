@@ -23,7 +23,7 @@ from .._rules import register
 from .._values import checked_aval, describe, Value
 from ._branch_callbacks import abstract_template
 from ._common import AnyValue, to_dense, to_dense_or_raise, type_signature
-from ._joins import join_side, joined_template
+from ._joins import join_side, joined_template, same_structure
 
 
 @dataclasses.dataclass
@@ -37,6 +37,10 @@ class _CarryPlan:
     dense: dict[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
     joins: dict[int, tuple[Value, tuple[str, str]]] = dataclasses.field(default_factory=dict)
     declined: set[int] = dataclasses.field(default_factory=set)
+    # Plain carries entering as stand-ins (`Value.stand_in_for_plain`), on the one
+    # try that finds their types; and whether that try was made.
+    stand_ins: dict[int, Value] = dataclasses.field(default_factory=dict)
+    stood_in: bool = False
 
     def materialise_instead(self, i: int) -> None:
         """Carry `i`, planned as a join, materialised instead."""
@@ -44,7 +48,7 @@ class _CarryPlan:
         self.dense[i] = change
 
 
-def _run_with_carry_fallback(primitive, init, run):
+def _run_with_carry_fallback(primitive, init, run, operands):
     """Call `run(plan, record)`, where `plan` (a `_CarryPlan`) says which carry
     positions to join or materialise.
 
@@ -52,15 +56,26 @@ def _run_with_carry_fallback(primitive, init, run):
     state that starts as plain zeros becoming a Value). `run` records the
     signature of the carry the body returns; if JAX rejects the loop, the
     positions that changed are joined where a plain array meets a Value whose
-    type holds it, else materialised, and the loop retraced.
+    type holds it, else materialised, and the loop retraced. If the body itself
+    raises an error of ours, plain carries may enter once as stand-ins offered by
+    the loop's `operands` (`Value.stand_in_for_plain`) to find their types.
     """
     plan = _CarryPlan()
-    for _ in range(2 * len(init) + 2):
+    for _ in range(2 * len(init) + 3):
         record: dict = {}
         try:
             return run(plan, record)
         except QuaxlikeError:
-            raise  # ours, from inside the body: not JAX rejecting the carry
+            # Ours, from inside the body: not JAX rejecting the carry. Perhaps a
+            # plain carry the body would accept as a Value: looked for once.
+            if plan.stood_in:
+                raise
+            plan.stood_in = True
+            joins = _joins_found_by_stand_ins(run, plan, init, operands)
+            if not joins:
+                raise
+            plan.joins.update(joins)
+            continue
         except (TypeError, ValueError):
             if plan.declined:  # a type did not hold the plain array: materialise there
                 for i in plan.declined:
@@ -92,6 +107,44 @@ def _run_with_carry_fallback(primitive, init, run):
     raise AssertionError("unreachable")
 
 
+def _joins_found_by_stand_ins(run, plan: _CarryPlan, init, operands) -> dict:
+    """Trace the loop once with each plain carry replaced by the stand-in that a
+    Value among `operands` offers for it, and return, for each carry the body
+    gave a Value of another structure, the join to plan (`_CarryPlan.joins`).
+    The trace's results are dropped."""
+    stand_ins: dict[int, Value] = {}
+    offering = {type(v): v for v in operands if isinstance(v, Value)}.values()
+    for i, x in enumerate(init):
+        if isinstance(x, Value) or i in plan.joins or i in plan.dense:
+            continue
+        offers = (value.stand_in_for_plain(x) for value in offering)
+        stand_in = next((offer for offer in offers if offer is not None), None)
+        if stand_in is not None:
+            stand_ins[i] = stand_in
+    if not stand_ins:
+        return {}
+    trial = dataclasses.replace(
+        plan, dense=dict(plan.dense), joins=dict(plan.joins), declined=set(), stand_ins=stand_ins
+    )
+    record: dict = {}
+    try:
+        run(trial, record)
+    except (QuaxlikeError, TypeError, ValueError):
+        pass  # JAX rejects the changed carries; only what the body returned matters
+    out_templates = record.get("carry_out_templates")
+    if out_templates is None:  # the body failed with the stand-ins too
+        return {}
+    joins = {}
+    for i, stand_in in stand_ins.items():
+        out = out_templates[i]
+        if out is None or same_structure(out, abstract_template(stand_in)):
+            continue  # the body gave the carry no type of its own: it stays plain
+        template = joined_template([out])
+        if template is not None:
+            joins[i] = (template, (describe(init[i]), record["carry_out_text"][i]))
+    return joins
+
+
 def _join_template(record: dict, i: int) -> Value | None:
     """Where carry `i` is a Value on entry or as the body returns it (or both, in
     forms that join): the template both sides are held in."""
@@ -105,6 +158,12 @@ def _change(record: dict, i: int) -> tuple[str, str]:
     if before == after:
         before, after = str(record["carry_in"][i][0]), str(record["carry_out"][i][0])
     return before, after
+
+
+def _entering(init, plan: _CarryPlan, primitive):
+    """The carries as they enter the loop on this try: `_densify`d, or stand-ins."""
+    carry = _densify(init, plan, primitive)
+    return [plan.stand_ins.get(i, v) for i, v in enumerate(carry)]
 
 
 def _densify(values, plan: _CarryPlan, primitive):
@@ -215,7 +274,7 @@ def while_p_values(
         return _dense_predicate(predicate, cond_jaxpr.out_avals[0])
 
     def run(plan, record):
-        carry = _densify(init, plan, jc.while_p)
+        carry = _entering(init, plan, jc.while_p)
         _record(record, "carry_in", carry)
 
         def cond(c):
@@ -235,7 +294,7 @@ def while_p_values(
 
         return lax.while_loop(cond, body, carry)
 
-    return _run_with_carry_fallback(jc.while_p, init, run)
+    return _run_with_carry_fallback(jc.while_p, init, run, args)
 
 
 # --- scan ---------------------------------------------------------------------
@@ -310,7 +369,7 @@ def scan_p_values(*args: AnyValue, reverse: bool, length: int, jaxpr, unroll=1, 
     body_fun = ft.partial(lifted_call, jc.jaxpr_as_fun(jaxpr))
 
     def run(plan, record):
-        carry = _densify(init, plan, jc.scan_p)
+        carry = _entering(init, plan, jc.scan_p)
         _record(record, "carry_in", carry)
 
         def body(c, x):
@@ -328,4 +387,4 @@ def scan_p_values(*args: AnyValue, reverse: bool, length: int, jaxpr, unroll=1, 
         carry_out, ys = lax.scan(body, carry, xs, length=length, reverse=reverse, unroll=unroll)
         return [*carry_out, *ys]
 
-    return _run_with_carry_fallback(jc.scan_p, init, run)
+    return _run_with_carry_fallback(jc.scan_p, init, run, args)

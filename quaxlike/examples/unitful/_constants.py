@@ -22,6 +22,7 @@ unchanged: the traced outputs are what they would have been.
 
 import contextvars
 import functools as ft
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -31,12 +32,22 @@ import jax.extend.core
 import numpy as np
 
 
-# id(traced plain value) -> (the value, a function computing its concrete value).
-# The value is held so that its id stays its own while the entry exists. Set
-# for the duration of the outermost `jit_p_unitful`.
-_known: contextvars.ContextVar[dict[int, tuple[Any, Callable[[], Any]]] | None] = (
+# id(traced plain value) -> (a weak reference to the value, a function computing
+# its concrete value). The reference tells whether the id is still that value's;
+# the entry goes when the value does, so that the table never keeps a tracer of
+# a trace that has ended (a loop's body, a branch) alive. Set for the duration
+# of the outermost `jit_p_unitful`.
+_known: contextvars.ContextVar[dict[int, tuple[weakref.ref, Callable[[], Any]]] | None] = (
     contextvars.ContextVar("unitful_known_constants", default=None)
 )
+
+
+def _entry(x: Any) -> tuple[weakref.ref, Callable[[], Any]] | None:
+    known = _known.get()
+    entry = None if known is None else known.get(id(x))
+    if entry is None or entry[0]() is not x:
+        return None
+    return entry
 
 
 def known_value(x: Any) -> np.ndarray | None:
@@ -46,11 +57,8 @@ def known_value(x: Any) -> np.ndarray | None:
             return np.asarray(x)
         except Exception:  # an object NumPy cannot read: unknown
             return None
-    known = _known.get()
-    entry = None if known is None else known.get(id(x))
-    if entry is None or entry[0] is not x:
-        return None
-    return np.asarray(entry[1]())
+    entry = _entry(x)
+    return None if entry is None else np.asarray(entry[1]())
 
 
 def fits_every_unit(x: Any) -> bool:
@@ -73,19 +81,16 @@ def fits_every_unit(x: Any) -> bool:
 
 
 def is_known(x: Any) -> bool:
-    if not isinstance(x, jax.core.Tracer):
-        return True
-    known = _known.get()
-    entry = None if known is None else known.get(id(x))
-    return entry is not None and entry[0] is x
+    return not isinstance(x, jax.core.Tracer) or _entry(x) is not None
 
 
-def _concrete(x: Any) -> Any:
+def _computing(x: Any) -> Callable[[], Any]:
+    """How to compute the known `x`'s value, holding no tracer."""
     if not isinstance(x, jax.core.Tracer):
-        return x
-    known = _known.get()
-    assert known is not None
-    return known[id(x)][1]()
+        return lambda: x
+    entry = _entry(x)
+    assert entry is not None
+    return entry[1]
 
 
 def _bind_params(primitive, params: dict) -> tuple[list, dict]:
@@ -102,16 +107,24 @@ def _remember(eqn, subfuns, params, inputs, outputs) -> None:
     known values of `inputs`."""
     known = _known.get()
     assert known is not None
+    computing = [_computing(x) for x in inputs]
 
     @ft.cache
     def evaluate():
         with jax.ensure_compile_time_eval(), eqn.ctx.manager:
-            out = eqn.primitive.bind(*subfuns, *map(_concrete, inputs), **params)
+            values = [compute() for compute in computing]
+            out = eqn.primitive.bind(*subfuns, *values, **params)
         return out if eqn.primitive.multiple_results else [out]
 
     for i, out in enumerate(outputs):
         if isinstance(out, jax.core.Tracer):
-            known[id(out)] = (out, lambda i=i: evaluate()[i])
+            key = id(out)
+
+            def forget(ref, key=key, known=known):
+                if key in known and known[key][0] is ref:
+                    del known[key]
+
+            known[key] = (weakref.ref(out, forget), lambda i=i: evaluate()[i])
 
 
 def evaluate(closed_jaxpr, *args):

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._constants import fits_every_unit, known_value
-from ._unit import dimensionless, Unit
+from ._unit import dimensionless, Unit, UnresolvedUnit
 from ._value import convert_array, UnitError, Unitful
 
 
@@ -73,14 +73,17 @@ def _common_unit(primitive, args: Sequence[Any], positions: Sequence[int]):
     """
     _check_plain(primitive, args, positions)
     quantity_positions = _quantities(args, positions)
-    first = quantity_positions[0]
+    # A stand-in's unit, still being worked out (`Unitful.stand_in_for_plain`),
+    # takes the unit of the others; with plain numbers only, it stays unresolved.
+    resolved = [i for i in quantity_positions if not isinstance(args[i].unit, UnresolvedUnit)]
+    first = (resolved or quantity_positions)[0]
     unit = args[first].unit
     # 0, +-inf and NaN fit every unit (see `_constants`); other plain numbers
     # are dimensionless.
     plain_positions = [
         i for i in positions if i not in quantity_positions and not fits_every_unit(args[i])
     ]
-    if plain_positions:
+    if plain_positions and not isinstance(unit, UnresolvedUnit):
         # Plain numbers are dimensionless with scale 1.
         for i in quantity_positions:
             if not args[i].unit.dimensionless:

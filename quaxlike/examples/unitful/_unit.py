@@ -134,6 +134,8 @@ class Unit:
     def same_dimensions(self, other: "Unit") -> bool:
         """Whether `self` and `other` measure the same kind of quantity, so that
         one converts into the other by a constant factor."""
+        if isinstance(self, UnresolvedUnit) or isinstance(other, UnresolvedUnit):
+            return True
         return self._exponents == other._exponents
 
     def factor_to(self, other: "Unit") -> float:
@@ -224,12 +226,58 @@ class Unit:
     def __deepcopy__(self, memo) -> "Unit":
         return self
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (_rebuild, (self._exponents, self._scale))
 
 
 def _rebuild(exponents, scale) -> Unit:
     return Unit._make(exponents, scale)
+
+
+class UnresolvedUnit(Unit):
+    """The unit of a stand-in (`Unitful.stand_in_for_plain`): a loop carry that
+    enters as a plain 0, inf or NaN array, traced once to see which unit the
+    loop's body gives it. It fits every unit, with factor 1, and every product,
+    quotient or power with it is unresolved too. Only that one trace sees it: the
+    loop is then traced again with the units found, and every check in force.
+    """
+
+    __slots__ = ()
+
+    def __init__(self):
+        self._exponents = tuple(Fraction(0) for _ in BASE_DIMENSIONS)
+        self._scale = 1.0
+        self._hash = hash(UnresolvedUnit)
+
+    @property
+    def si(self) -> "Unit":
+        return self
+
+    def __mul__(self, other: "Unit") -> "Unit":
+        return self if isinstance(other, Unit) else NotImplemented
+
+    __rmul__ = __truediv__ = __mul__
+
+    def __rtruediv__(self, other: Any) -> "Unit":
+        return self
+
+    def __pow__(self, exponent: Any) -> "Unit":
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, UnresolvedUnit)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __str__(self) -> str:
+        return "(a unit being worked out)"
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (UnresolvedUnit, ())
+
+
+unresolved = UnresolvedUnit()
 
 
 # --- predefined units -----------------------------------------------------------

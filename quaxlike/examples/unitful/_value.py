@@ -16,7 +16,7 @@ from quaxlike.internal import materialise_value, ShapedArray, with_leaf_specs
 
 from ._constants import fits_every_unit
 from ._quax_names import as_unit, units_of
-from ._unit import dimensionless, Unit
+from ._unit import dimensionless, Unit, unresolved
 
 
 class UnitError(quaxlike.QuaxlikeError, ValueError):
@@ -175,6 +175,18 @@ class Unitful(quaxlike.ArrayValue):
         if not (plain_number or fits_every_unit(array)):
             return None
         return Unitful(array, self.unit)
+
+    def stand_in_for_plain(self, array: Any) -> "Unitful | None":
+        # A loop's float carry that starts as 0, +-inf or NaN (a solver's buffer
+        # or stage) may be meant to hold quantities in a unit only the loop's
+        # body tells; inside the body its value is no longer known, so it would
+        # be refused there as a plain number. It enters once in a unit still
+        # being worked out, which fits any other, to see the unit the body gives
+        # it; the loop is then traced from `holding_plain` in that unit.
+        dtype = jnp.result_type(array)
+        if not jnp.issubdtype(dtype, jnp.inexact) or not fits_every_unit(array):
+            return None
+        return Unitful(array, unresolved)
 
     def to(self, unit: Unit) -> "Unitful":
         """The same quantity expressed in `unit`.
