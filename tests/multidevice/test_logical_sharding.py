@@ -279,3 +279,35 @@ def test_nf4_reproducer_compiles_without_rematerialisation(mesh, capfd):
     # Each device holds an eighth of every leaf.
     total = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jtu.tree_leaves(w))
     assert compiled.memory_analysis().argument_size_in_bytes <= total // 8 + 16 * 32768 * 2
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _nf4_dq,
+        lambda: quantize_int8(randn(6, (256, 512))),
+        lambda: quantize_int4(randn(7, (256, 512)), group_size=64),
+    ],
+    ids=["nf4_double_quant", "int8", "int4"],
+)
+@pytest.mark.parametrize("spec", [P("x", None), P(None, "x")], ids=["rows", "columns"])
+def test_quantised_products_under_explicit_mesh_axes(make, spec):
+    # JAX's default mesh axes are `Explicit`: there a program must name every
+    # sharding JAX cannot tell, and nothing is resharded implicitly. A product
+    # with a quantised weight placed by its logical spec runs there, forward and
+    # backward, equal to the dense weight's.
+    explicit = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+    q = make()
+    dense = q.dequantize()
+    x = randn(8, (16, 512))
+    with jax.set_mesh(explicit):
+        placed = quaxlike.device_put(q, NamedSharding(explicit, spec))
+        xs = jax.device_put(x, NamedSharding(explicit, P()))
+
+        def loss(x, q):
+            return jnp.sum(jnp.tanh(x @ q.T))
+
+        out = jax.jit(quaxlike.quaxify(lambda q, x: x @ q.T))(placed, xs)
+        grad = jax.jit(jax.grad(quaxlike.quaxify(loss)))(xs, placed)
+    assert jnp.allclose(out, x @ dense.T, atol=1e-3, rtol=1e-4)
+    assert jnp.allclose(grad, jax.grad(loss)(x, dense), atol=1e-3, rtol=1e-4)

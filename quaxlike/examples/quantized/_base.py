@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike, Int8
@@ -92,6 +93,20 @@ def dequantize_rows(ints: Array, groups: Array) -> Array:
     *lead, size = ints.shape
     weights = ints.astype(groups.dtype).reshape(*lead, groups.shape[-1], -1)
     return (weights * groups[..., None]).reshape(ints.shape)
+
+
+def explicit_sharding(x: Array):
+    """`x`'s sharding where its type names one along an `Explicit` mesh axis
+    (JAX 0.7 and later, `jax.sharding.AxisType`), else `None`: there JAX asks a
+    program to say how results are sharded where it cannot tell, and never
+    reshards implicitly."""
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if explicit is None or mesh is None or explicit not in getattr(mesh, "axis_types", ()):
+        return None
+    spec = getattr(sharding, "spec", ())
+    return sharding if any(entry is not None for entry in spec) else None
 
 
 class QuantizedArray(quaxlike.ArrayValue):

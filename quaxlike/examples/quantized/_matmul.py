@@ -38,7 +38,7 @@ from jaxtyping import ArrayLike, PyTree
 import quaxlike
 from quaxlike.internal import bind_dot_general, cached_rule, dot_general_labels, output_aval
 
-from ._base import check_matmul, QuantizedArray
+from ._base import check_matmul, explicit_sharding, QuantizedArray
 
 
 # Where a quantised array leaves the strategy to the backend (`matmul=None`): the
@@ -135,10 +135,19 @@ def _product(q_is_lhs: bool, w, other, dimension_numbers, params: dict):
 
 def _quantized_dot(q: QuantizedArray, other, dimension_numbers, params: dict, q_is_lhs: bool):
     strategy = q.matmul or default_matmul()
-    if strategy == "fused":
-        # Dequantised whole, for a compiler that fuses it into the product.
+    if strategy == "fused" or _explicitly_sharded(q):
+        # Dequantised whole, for a compiler that fuses it into the product. Also
+        # where the leaves are sharded along an `Explicit` mesh axis: there each
+        # device dequantises its own shard (JAX moves nothing it was not told
+        # to), and blocks of rows taken across the shards would need the result
+        # resharded, which JAX refuses to do implicitly.
         return _product(q_is_lhs, q.dequantize(), other, dimension_numbers, params)
     return _blocked_dot(q, other, dimension_numbers, params, q_is_lhs)
+
+
+def _explicitly_sharded(q: QuantizedArray) -> bool:
+    """Whether a leaf of `q` is sharded along an `Explicit` mesh axis."""
+    return any(explicit_sharding(leaf) is not None for leaf in jax.tree_util.tree_leaves(q))
 
 
 def _blocked_dot(q: QuantizedArray, other, dimension_numbers, params: dict, q_is_lhs: bool):

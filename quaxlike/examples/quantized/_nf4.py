@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jaxtyping import Array, ArrayLike, Float, UInt8
 
 from ._base import (
@@ -19,6 +20,7 @@ from ._base import (
     check_group_size,
     DEFAULT_BLOCK_BYTES,
     dequantize_rows,
+    explicit_sharding,
     nibble_halves,
     pack_nibbles,
     QuantizedArray,
@@ -89,8 +91,14 @@ _NF4_MIDPOINTS = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
 
 def _levels(nibbles: Array, dtype) -> Array:
     """The NF4 levels of the codes `nibbles` (`uint8` in `[0, 15]`): a lookup in a
-    table of 16, which `largest_dequantized` counts as a dequantisation."""
-    return jnp.asarray(NF4_LEVELS, dtype).at[nibbles].get(mode="promise_in_bounds")
+    table of 16, which `largest_dequantized` counts as a dequantisation. Codes
+    sharded along an explicit mesh axis give levels sharded as they are (JAX asks
+    for the lookup's `out_sharding` there)."""
+    table = jnp.asarray(NF4_LEVELS, dtype)
+    sharding = explicit_sharding(nibbles)
+    if sharding is None:
+        return table.at[nibbles].get(mode="promise_in_bounds")
+    return table.at[nibbles].get(mode="promise_in_bounds", out_sharding=sharding)
 
 
 class NF4Array(QuantizedArray):
@@ -191,7 +199,7 @@ class NF4Array(QuantizedArray):
             return self.packed, self.scale
         # The second-level scales, one per row: a block's rows share theirs.
         rows = self.packed.shape[-2] // self.scale.shape[-2]
-        return self.packed, self.absmax, jnp.repeat(self.scale, rows, axis=-2)
+        return self.packed, self.absmax, repeat_rows(self.scale, rows)
 
     def with_row_leaves(self, *leaves: Array) -> "NF4Array":
         if len(leaves) == 2:
@@ -229,6 +237,18 @@ class NF4Array(QuantizedArray):
         return [dequantize_rows(_levels(h, absmax.dtype), absmax) for h in nibble_halves(data)]
 
 
+def repeat_rows(x: Array, times: int) -> Array:
+    """`x` with each row (axis -2) repeated `times` times in place, as
+    `jnp.repeat(x, times, axis=-2)`, written as a broadcast and a reshape that
+    merges the rows with their copies: the rows keep their sharding, also along
+    an explicitly sharded mesh axis, where `jnp.repeat` asks for an
+    `out_sharding`."""
+    *batch, rows, k = x.shape
+    kept = (*range(len(batch) + 1), len(batch) + 2)  # every axis but the copies'
+    copies = lax.broadcast_in_dim(x, (*batch, rows, times, k), kept)
+    return copies.reshape(*batch, rows * times, k)
+
+
 def double_quant_layout(out: int, n_groups: int, block: int) -> tuple[int, int]:
     """`(r, k)`: second-level blocks of `r` whole rows times `n_groups / k` groups
     each, as close to `block` absmaxes as `out` and `n_groups` allow without
@@ -260,7 +280,7 @@ def _quantize_nf4_arrays(
         codes = codes.reshape(*batch, out, n_groups)
         # The codes are rounded against the absmaxes as stored, so that a group
         # whose absmax was rounded down still reaches its extremes (at level +-1).
-        absmax = dequantize_rows(codes, jnp.repeat(scale, r, axis=-2))
+        absmax = dequantize_rows(codes, repeat_rows(scale, r))
     divisor = jnp.where(absmax > 0, absmax, jnp.ones_like(absmax))
     normalised = groups / divisor[..., None]
     levels = jnp.searchsorted(jnp.asarray(_NF4_MIDPOINTS, w.dtype), normalised)
