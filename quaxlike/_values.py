@@ -272,10 +272,9 @@ class Value(eqx.Module):
         - the stand-in's own structure: the carry stays plain.
 
         That extra trace's results are dropped, so a stand-in never leaves the
-        loop rule. It is made once per loop: a carry whose type shows only once
-        another carry found this way has its own (a sum of products of it) is
-        not found, and the body's error is raised, as it is when nothing comes
-        back joined.
+        loop rule. A carry whose type shows only once another carry found this
+        way has its own (a sum of products of it) is found on the next round.
+        When a round joins nothing, the body's error is raised.
 
         **Arguments:**
 

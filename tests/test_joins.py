@@ -249,3 +249,30 @@ def test_a_plain_carry_of_unknown_value_is_still_refused_inside_the_body():
     x = Unitful(randn(0, (3,)), m)
     with pytest.raises(UnitError, match="`add` got a plain array"):
         jax.jit(quaxlike.quaxify(_decaying_sum))(x, jnp.zeros(3))
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_a_carry_whose_unit_follows_from_another_found_one(jitted):
+    # `total` takes metres x seconds only once `acc` is known to be in metres:
+    # found in a second round. The body computes something before it meets the
+    # plain carry (`y`), so the first tries fail half-way through the body's
+    # trace: with JAX's leak checker on (as in every test here), nothing of
+    # those traces may stay alive.
+    from quaxlike.examples.unitful import m, s, Unitful
+
+    x, t = Unitful(randn(0, (3,)), m), Unitful(jnp.array(2.0), s)
+
+    def f(x, t):
+        def body(i, carry):
+            acc, total = carry
+            y = jnp.sin(jnp.arange(3.0)) * x
+            return acc * 0.5 + y, total + acc * t
+
+        return lax.fori_loop(0, 3, body, (jnp.zeros(3), jnp.zeros(3)))
+
+    fn = eqx.filter_jit(f) if jitted else f
+    acc, total = quaxlike.quaxify(fn)(x, t)
+    assert acc.unit == m and total.unit == m * s
+    expected_acc, expected_total = f(x.array, t.array)
+    np.testing.assert_allclose(acc.array, expected_acc, rtol=1e-6)
+    np.testing.assert_allclose(total.array, expected_total, rtol=1e-6)

@@ -7,6 +7,7 @@ from typing import cast
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
 
@@ -37,10 +38,9 @@ class _CarryPlan:
     dense: dict[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
     joins: dict[int, tuple[Value, tuple[str, str]]] = dataclasses.field(default_factory=dict)
     declined: set[int] = dataclasses.field(default_factory=set)
-    # Plain carries entering as stand-ins (`Value.stand_in_for_plain`), on the one
-    # try that finds their types; and whether that try was made.
+    # Plain carries entering as stand-ins (`Value.stand_in_for_plain`), on a try
+    # that finds their types.
     stand_ins: dict[int, Value] = dataclasses.field(default_factory=dict)
-    stood_in: bool = False
 
     def materialise_instead(self, i: int) -> None:
         """Carry `i`, planned as a join, materialised instead."""
@@ -57,26 +57,29 @@ def _run_with_carry_fallback(primitive, init, run, operands):
     signature of the carry the body returns; if JAX rejects the loop, the
     positions that changed are joined where a plain array meets a Value whose
     type holds it, else materialised, and the loop retraced. If the body itself
-    raises an error of ours, plain carries may enter once as stand-ins offered by
-    the loop's `operands` (`Value.stand_in_for_plain`) to find their types.
+    raises an error of ours (kept by `_catching`), plain carries may enter as
+    stand-ins offered by the loop's `operands` (`Value.stand_in_for_plain`) to
+    find their types; else that error is raised.
     """
     plan = _CarryPlan()
-    for _ in range(2 * len(init) + 3):
+    for _ in range(3 * len(init) + 2):
         record: dict = {}
         try:
             return run(plan, record)
         except QuaxlikeError:
-            # Ours, from inside the body: not JAX rejecting the carry. Perhaps a
-            # plain carry the body would accept as a Value: looked for once.
-            if plan.stood_in:
-                raise
-            plan.stood_in = True
-            joins = _joins_found_by_stand_ins(run, plan, init, operands)
-            if not joins:
-                raise
-            plan.joins.update(joins)
-            continue
+            raise  # ours, from outside the body (which keeps its own): not JAX's
         except (TypeError, ValueError):
+            body_error = record.get("body_error")
+            if body_error is not None:
+                # Ours, from inside the body: not JAX rejecting the carry. Perhaps
+                # a plain carry the body would accept as a Value (one found may
+                # show the next: a sum of products of it).
+                joins = _joins_found_by_stand_ins(run, plan, init, operands)
+                if not joins:
+                    body_error.__suppress_context__ = True  # not JAX's carry check
+                    raise body_error
+                plan.joins.update(joins)
+                continue
             if plan.declined:  # a type did not hold the plain array: materialise there
                 for i in plan.declined:
                     plan.materialise_instead(i)
@@ -107,6 +110,25 @@ def _run_with_carry_fallback(primitive, init, run, operands):
     raise AssertionError("unreachable")
 
 
+def _catching(record: dict, body, rejected):
+    """`body`, except that an error of ours raised while JAX traces it is kept in
+    `record["body_error"]` and `rejected(*args)` returned instead: a carry of
+    another structure, which JAX rejects once the body's trace has ended, so that
+    `_run_with_carry_fallback` raises the error outside it. (An error raised
+    through JAX's tracing leaves that trace's tracers alive for good: JAX
+    releases them only when the trace returns.) The kept error has no traceback,
+    which would hold the body's tracers (`without_traced_frames`)."""
+
+    def traced(*args):
+        try:
+            return body(*args)
+        except QuaxlikeError as error:
+            record["body_error"] = jc.without_traced_frames(error)
+            return rejected(*args)
+
+    return traced
+
+
 def _joins_found_by_stand_ins(run, plan: _CarryPlan, init, operands) -> dict:
     """Trace the loop once with each plain carry replaced by the stand-in that a
     Value among `operands` offers for it, and return, for each carry the body
@@ -129,10 +151,10 @@ def _joins_found_by_stand_ins(run, plan: _CarryPlan, init, operands) -> dict:
     record: dict = {}
     try:
         run(trial, record)
-    except (QuaxlikeError, TypeError, ValueError):
+    except (TypeError, ValueError):
         pass  # JAX rejects the changed carries; only what the body returned matters
     out_templates = record.get("carry_out_templates")
-    if out_templates is None:  # the body failed with the stand-ins too
+    if out_templates is None or "body_error" in record:  # failed with stand-ins too
         return {}
     joins = {}
     for i, stand_in in stand_ins.items():
@@ -292,7 +314,8 @@ def while_p_values(
             _record(record, "carry_out", out)
             return out
 
-        return lax.while_loop(cond, body, carry)
+        rejected = lambda c: [*c, jnp.zeros((), bool)]  # noqa: E731
+        return lax.while_loop(cond, _catching(record, body, rejected), carry)
 
     return _run_with_carry_fallback(jc.while_p, init, run, args)
 
@@ -384,7 +407,9 @@ def scan_p_values(*args: AnyValue, reverse: bool, length: int, jaxpr, unroll=1, 
             ]
             return carry_out, ys
 
-        carry_out, ys = lax.scan(body, carry, xs, length=length, reverse=reverse, unroll=unroll)
+        rejected = lambda c, x: ([*c, jnp.zeros((), bool)], [])  # noqa: E731
+        traced = _catching(record, body, rejected)
+        carry_out, ys = lax.scan(traced, carry, xs, length=length, reverse=reverse, unroll=unroll)
         return [*carry_out, *ys]
 
     return _run_with_carry_fallback(jc.scan_p, init, run, args)

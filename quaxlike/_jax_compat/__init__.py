@@ -72,6 +72,7 @@ from ._source import (
     api_boundary as api_boundary,
     SourceLine as SourceLine,
     user_source_line as user_source_line,
+    without_traced_frames as without_traced_frames,
 )
 from ._trace_api import (
     AbstractValue as AbstractValue,

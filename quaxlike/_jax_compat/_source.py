@@ -57,3 +57,36 @@ def user_source_line() -> SourceLine:
             return SourceLine(filename, frame.f_lineno, frame.f_code.co_name)
         frame = frame.f_back
     return SourceLine(None, None, None)
+
+
+# --- errors raised while tracing ---------------------------------------------
+
+# What JAX chains to an error raised while it evaluates an equation of a traced
+# program: the user's lines that emitted the equation, rebuilt from its source
+# information (so it holds none of the trace's tracers).
+_UserStackTrace = _first((_source_info_util, "JaxStackTraceBeforeTransformation"))
+
+
+def without_traced_frames(error: BaseException) -> BaseException:
+    """`error`, with its traceback and those of the errors chained to it dropped:
+    they hold the frames, and so the tracers, of the trace it was raised in. JAX's
+    account of the user's line (`JaxStackTraceBeforeTransformation`) is kept where
+    this release has one.
+
+    **Arguments:**
+
+    - `error`: an error caught inside a trace that then ends normally.
+
+    **Returns:**
+
+    `error`, changed in place.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if _UserStackTrace is None or not isinstance(current, _UserStackTrace):
+            current.__traceback__ = None
+        current.__context__ = None
+        current = current.__cause__
+    return error
