@@ -253,13 +253,12 @@ def pvary_p_value(*xs: AnyValue, axes, **params):
     return outs if jc.pvary_p.multiple_results else outs[0]
 
 
-@register(jc.sharding_constraint_p)
-def sharding_constraint_p_value(x: Value, *, sharding, **params):
-    """`lax.with_sharding_constraint` on a Value: each leaf is constrained as the
-    type declares for the array's spec (`quaxlike.leaf_specs`), so an `NF4Array`'s
-    codes and scales follow the same rows. A spec the leaves cannot follow raises
-    `LogicalShardingError`; a sharding without a mesh and spec is left to the
-    default (which materialises)."""
+def _leaf_by_leaf(x: Value, sharding, move):
+    """`x` with each leaf given to `move(leaf, leaf_sharding)`: `sharding` with the
+    spec the type declares for that leaf (`quaxlike.leaf_specs`), so an
+    `NF4Array`'s codes and scales follow the same rows. A spec the leaves cannot
+    follow raises `LogicalShardingError`; a sharding without a mesh and spec is
+    left to the default (`NotImplemented`: it materialises)."""
     spec = getattr(sharding, "spec", None)
     mesh = getattr(sharding, "mesh", None)
     if spec is None or mesh is None:
@@ -267,11 +266,28 @@ def sharding_constraint_p_value(x: Value, *, sharding, **params):
     specs = leaf_specs(x, spec, mesh)
     leaves, treedef = jtu.tree_flatten(x)
     flat_specs = jtu.tree_leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
-    constrained = [
-        jax.lax.with_sharding_constraint(leaf, sharding.update(spec=leaf_spec))
-        for leaf, leaf_spec in zip(leaves, flat_specs)
+    moved = [
+        move(leaf, sharding.update(spec=leaf_spec)) for leaf, leaf_spec in zip(leaves, flat_specs)
     ]
-    return jtu.tree_unflatten(treedef, constrained)
+    return jtu.tree_unflatten(treedef, moved)
+
+
+@register(jc.sharding_constraint_p)
+def sharding_constraint_p_value(x: Value, *, sharding, **params):
+    """`lax.with_sharding_constraint` on a Value: each leaf is constrained as the
+    type declares for the array's spec (`_leaf_by_leaf`)."""
+    return _leaf_by_leaf(x, sharding, jax.lax.with_sharding_constraint)
+
+
+@register(jc.reshard_p)
+def reshard_p_value(x: Value, *, dst_sharding, **params):
+    """`jax.sharding.reshard` of a Value (mesh axes that are `Explicit`): each leaf
+    is moved as the type declares for the array's spec (`_leaf_by_leaf`)."""
+
+    def move(leaf, leaf_sharding):
+        return jc.reshard_p.bind(leaf, dst_sharding=leaf_sharding, **params)
+
+    return _leaf_by_leaf(x, dst_sharding, move)
 
 
 @register(jax.lax.optimization_barrier_p, precedence=-1)

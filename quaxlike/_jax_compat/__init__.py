@@ -44,6 +44,7 @@ from ._primitives import (
     lax_primitive_by_name as lax_primitive_by_name,
     pvary_p as pvary_p,
     remat_p as remat_p,
+    reshard_p as reshard_p,
     scan_layout as scan_layout,
     scan_p as scan_p,
     shard_map_p as shard_map_p,

@@ -53,6 +53,9 @@ pvary_p: Any = _first((_core, "pvary_p")) or _stand_in_primitive("pvary")
 sharding_constraint_p: Any = _first((_pjit, "sharding_constraint_p")) or _stand_in_primitive(
     "sharding_constraint"
 )
+# `jax.sharding.reshard`: moving an array to another sharding, where mesh axes are
+# `Explicit` (its param `dst_sharding` in every release tested).
+reshard_p: Any = _first((_pjit, "reshard_p")) or _stand_in_primitive("reshard")
 
 
 def custom_call_primal_jaxpr(params) -> Any:

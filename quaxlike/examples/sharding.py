@@ -301,7 +301,8 @@ def gathered(layer: PyTree, mesh: Any) -> PyTree:
 
     **Returns:**
 
-    `layer`, constrained to be replicated.
+    `layer`, constrained to be replicated (resharded, where the mesh's axes are
+    `Explicit`).
 
     !!! example
 
@@ -321,4 +322,9 @@ def gathered(layer: PyTree, mesh: Any) -> PyTree:
     arrays, static = eqx.partition(layer, eqx.is_array)
     arrays = jax.lax.optimization_barrier(arrays)
     whole = NamedSharding(mesh, PartitionSpec())
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    if explicit is not None and explicit in getattr(mesh, "axis_types", ()):
+        # `Explicit` axes: a sharding is part of the type, and only `reshard`
+        # changes it (a constraint would have to agree with it).
+        return eqx.combine(jax.sharding.reshard(arrays, whole), static)
     return eqx.combine(quaxlike.with_sharding_constraint(arrays, whole), static)

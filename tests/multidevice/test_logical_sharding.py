@@ -251,6 +251,22 @@ def test_with_sharding_constraint_inside_quaxify_follows_the_declaration(mesh):
     assert outside.scale.sharding.is_equivalent_to(target, 2)
 
 
+def test_reshard_inside_quaxify_follows_the_declaration():
+    # `Explicit` axes: `jax.sharding.reshard` moves a Value as its type declares,
+    # codes and both levels of scales by the same rows, and back.
+    explicit = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+    w = _nf4_dq()
+    rows, whole = NamedSharding(explicit, P("x")), NamedSharding(explicit, P())
+    with jax.set_mesh(explicit):  # JAX asks for it, to place `w` (on one device)
+        placed = jax.jit(quaxlike.quaxify(lambda w: jax.sharding.reshard(w, rows)))(w)
+        back = jax.jit(quaxlike.quaxify(lambda w: jax.sharding.reshard(w, whole)))(placed)
+    for leaf in (placed.packed, placed.absmax, placed.scale):
+        assert leaf.sharding.is_equivalent_to(rows, 2)
+    for leaf in (back.packed, back.absmax, back.scale):
+        assert leaf.sharding.is_fully_replicated
+    assert tree_allclose(back.dequantize(), w.dequantize())
+
+
 def test_nf4_reproducer_compiles_without_rematerialisation(mesh, capfd):
     # The reproducer: a 1024 x 32768 NF4 weight with double quantisation on
     # 8 devices, compiled for shapes only. Split leaf by leaf along each leaf's

@@ -80,9 +80,11 @@ def _loss(trainable, frozen, x, y):
     return jnp.mean((quaxlike.quaxify(model)(x) - y) ** 2)
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+@pytest.fixture(scope="module", params=[AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def mesh(request):
+    # `Explicit` axes (JAX's default): every sharding is part of the type, and only
+    # `reshard` changes one; `gathered` and the quantised products follow that.
+    return jax.make_mesh((8,), ("data",), axis_types=(request.param,))
 
 
 @pytest.fixture(scope="module")
