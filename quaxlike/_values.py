@@ -286,6 +286,20 @@ class Value(eqx.Module):
         """
         return None
 
+    def standing_in(self) -> bool:
+        """Whether this Value was computed from a stand-in
+        (`stand_in_for_plain`) and its type is still being worked out (a
+        `Unitful` in a unit not yet known). Where such a Value meets another of
+        its type in a nested loop's carry or a `cond`'s outputs, it is held like
+        a plain array (`holding_plain(self)`) rather than materialised. The base
+        implementation returns `False`.
+
+        **Returns:**
+
+        A bool.
+        """
+        return False
+
 
 class ArrayValue(Value):
     """A `Value` that stands for an array: adds `shape`, `dtype`, `ndim` and `size`,

@@ -270,9 +270,35 @@ def test_a_carry_whose_unit_follows_from_another_found_one(jitted):
 
         return lax.fori_loop(0, 3, body, (jnp.zeros(3), jnp.zeros(3)))
 
-    fn = eqx.filter_jit(f) if jitted else f
-    acc, total = quaxlike.quaxify(fn)(x, t)
-    assert acc.unit == m and total.unit == m * s
-    expected_acc, expected_total = f(x.array, t.array)
-    np.testing.assert_allclose(acc.array, expected_acc, rtol=1e-6)
-    np.testing.assert_allclose(total.array, expected_total, rtol=1e-6)
+    _same_as_unitless(f, jitted, x, t, units=(m, m * s))
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_a_stand_in_meeting_a_unit_in_a_nested_loop_takes_it(jitted):
+    # The outer carry `rate` starts as a plain zero: while its unit is worked out
+    # it stands in, and the inner loop's carry `rate * t` starts in that unit
+    # still unknown and leaves the inner body in metres. There it takes metres
+    # (rather than being materialised), so the outer body finishes and `rate`
+    # is found to be in m/s.
+    from quaxlike.examples.unitful import m, s, Unitful
+
+    x, t = Unitful(randn(0, (3,)), m), Unitful(jnp.array(2.0), s)
+
+    def f(x, t):
+        def outer(i, carry):
+            y, rate = carry
+            step = lax.fori_loop(0, 2, lambda j, a: a * 0.5 + x, rate * t)
+            return y + step, step / t
+
+        return lax.fori_loop(0, 3, outer, (x, jnp.zeros(3)))
+
+    _same_as_unitless(f, jitted, x, t, units=(m, m / s))
+
+
+def _same_as_unitless(f, jitted, x, t, units):
+    """`quaxify(f)` on quantities (under `eqx.filter_jit` if `jitted`) gives
+    quantities in `units` whose numbers are `f` of the bare numbers."""
+    outs = quaxlike.quaxify(eqx.filter_jit(f) if jitted else f)(x, t)
+    for out, unit, expected in zip(outs, units, f(x.array, t.array), strict=True):
+        assert out.unit == unit
+        np.testing.assert_allclose(out.array, expected, rtol=1e-6)

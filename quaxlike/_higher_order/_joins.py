@@ -39,7 +39,8 @@ def joined_template(sides: list[Any]) -> Value | None:
 
     - `sides`: what meets, each a Value (concrete or abstract leaves) or `None`
         for a plain array: a `cond` output in each branch, a loop carry on entry
-        and as the body returns it.
+        and as the body returns it. A Value still standing in
+        (`Value.standing_in`) counts as a plain array.
 
     **Returns:**
 
@@ -48,7 +49,7 @@ def joined_template(sides: list[Any]) -> Value | None:
     forms = [
         eqx.filter_eval_shape(lambda v: v.joinable_form(), abstract_template(side))
         for side in sides
-        if side is not None
+        if side is not None and not _standing_in(side)
     ]
     if not forms or len({_structure(form) for form in forms}) != 1:
         return None
@@ -98,7 +99,7 @@ def join_side(x: Any, template: Value, position: int, where: str, declined: set[
 
     **Arguments:**
 
-    - `x`: a Value or a plain array.
+    - `x`: a Value or a plain array (or a Value still standing in, held as one).
     - `template`: `joined_template` of the Value side.
     - `position`: the carry's or output's index.
     - `where`: what meets, for the error message ("carry 2 of `while`").
@@ -112,7 +113,7 @@ def join_side(x: Any, template: Value, position: int, where: str, declined: set[
 
     A Value with `template`'s structure, or `x` where declined.
     """
-    if isinstance(x, Value):
+    if isinstance(x, Value) and not _standing_in(x):
         return x.joinable_form()
     held = template.holding_plain(x)
     if held is None:
@@ -125,6 +126,10 @@ def join_side(x: Any, template: Value, position: int, where: str, declined: set[
             _HOLDING_MISMATCH.format(type_name=type_name, got=got, expected=expected, where=where)
         )
     return held
+
+
+def _standing_in(side: Any) -> bool:
+    return isinstance(side, Value) and side.standing_in()
 
 
 def _structure(value: Value):

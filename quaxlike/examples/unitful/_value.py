@@ -16,7 +16,7 @@ from quaxlike.internal import materialise_value, ShapedArray, with_leaf_specs
 
 from ._constants import fits_every_unit
 from ._quax_names import as_unit, units_of
-from ._unit import dimensionless, Unit, unresolved
+from ._unit import dimensionless, Unit, unresolved, UnresolvedUnit
 
 
 class UnitError(quaxlike.QuaxlikeError, ValueError):
@@ -167,6 +167,12 @@ class Unitful(quaxlike.ArrayValue):
         # A plain array is a dimensionless number: it holds a unit only where its
         # value is known to fit every unit (0, +-inf, NaN everywhere), such as a
         # solver's state that starts as `jnp.zeros` and becomes a quantity.
+        if isinstance(array, Unitful):
+            # Only one computed from a stand-in (a unit still being worked out, in
+            # a loop traced only to find units) is held: it takes this unit.
+            if not array.standing_in() or jnp.shape(array.array) != jnp.shape(self.array):
+                return None
+            return Unitful(array.array, self.unit)
         if jnp.shape(array) != jnp.shape(self.array):
             return None
         if jnp.result_type(array) != jnp.result_type(self.array):
@@ -187,6 +193,9 @@ class Unitful(quaxlike.ArrayValue):
         if not jnp.issubdtype(dtype, jnp.inexact) or not fits_every_unit(array):
             return None
         return Unitful(array, unresolved)
+
+    def standing_in(self) -> bool:
+        return isinstance(self.unit, UnresolvedUnit)
 
     def to(self, unit: Unit) -> "Unitful":
         """The same quantity expressed in `unit`.
