@@ -209,6 +209,33 @@ def cannot_follow(value: Any, spec: Any, axis: int, why: str) -> LogicalSharding
     )
 
 
+def has_explicit_axes(mesh: Any) -> bool:
+    """Whether `mesh` (concrete or abstract) has an `Explicit` axis (JAX's default
+    from 0.7, `jax.sharding.AxisType`): there a sharding is part of an array's
+    type, a program must name the shardings JAX cannot tell, and only `reshard`
+    moves an array to another one.
+
+    **Arguments:**
+
+    - `mesh`: a mesh, or `None`.
+
+    **Returns:**
+
+    A bool (`False` for `None`, and where this JAX has no axis types).
+
+    !!! example
+
+        ```python
+        from jax.sharding import AxisType
+
+        assert has_explicit_axes(jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,)))
+        assert not has_explicit_axes(jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,)))
+        ```
+    """
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    return explicit is not None and explicit in getattr(mesh, "axis_types", ())
+
+
 def _array_leaves_with_paths(value: Any) -> list[tuple[str, Any]]:
     found = jtu.tree_flatten_with_path(value)[0]
     return [(jtu.keystr(p), leaf) for p, leaf in found]

@@ -258,23 +258,16 @@ class Value(eqx.Module):
         the loop rule works out the carry's type, or `None` (the base
         implementation).
 
-        A loop's body may refuse a plain carry that it would accept as this type:
-        a solver's buffer that starts as plain `inf` and that the body fills with
-        quantities in metres (or multiplies by a time) is refused by `Unitful` as
-        a plain number inside the body, where its value is no longer known. When
-        the body raises an error of ours with the carries as they are, quaxlike
-        traces it once more with each plain carry replaced by the stand-in one of
-        the loop's Values offers, only to see what the body returns there:
-
-        - a Value of another structure (the stand-in came back in metres): the
-          carry is joined (`holding_plain` of that Value), and the loop is traced
-          again from the plain array, with every check of the type in force;
-        - the stand-in's own structure: the carry stays plain.
-
-        That extra trace's results are dropped, so a stand-in never leaves the
-        loop rule. A carry whose type shows only once another carry found this
-        way has its own (a sum of products of it) is found on the next round.
-        When a round joins nothing, the body's error is raised.
+        A body may refuse a plain carry it would accept as this type: `Unitful`
+        refuses a solver's buffer that starts as plain `inf` and is filled with
+        metres, since inside the body its value is no longer known. When the body
+        raises an error of ours, quaxlike traces it again with each plain carry
+        replaced by a stand-in one of the loop's Values offers, and drops that
+        trace's results. A carry the body returns as a Value of another structure
+        (in metres) is then joined (`holding_plain`) and the loop traced again
+        with every check in force; one returned as the stand-in stays plain.
+        Rounds repeat while they join something (a carry whose type follows from
+        another's); else the body's error is raised.
 
         **Arguments:**
 

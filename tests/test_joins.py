@@ -258,9 +258,7 @@ def test_a_carry_whose_unit_follows_from_another_found_one(jitted):
     # plain carry (`y`), so the first tries fail half-way through the body's
     # trace: with JAX's leak checker on (as in every test here), nothing of
     # those traces may stay alive.
-    from quaxlike.examples.unitful import m, s, Unitful
-
-    x, t = Unitful(randn(0, (3,)), m), Unitful(jnp.array(2.0), s)
+    from quaxlike.examples.unitful import m, s
 
     def f(x, t):
         def body(i, carry):
@@ -270,7 +268,7 @@ def test_a_carry_whose_unit_follows_from_another_found_one(jitted):
 
         return lax.fori_loop(0, 3, body, (jnp.zeros(3), jnp.zeros(3)))
 
-    _same_as_unitless(f, jitted, x, t, units=(m, m * s))
+    _same_as_unitless(f, jitted, units=(m, m * s))
 
 
 @pytest.mark.parametrize("jitted", [False, True])
@@ -280,9 +278,7 @@ def test_a_stand_in_meeting_a_unit_in_a_nested_loop_takes_it(jitted):
     # still unknown and leaves the inner body in metres. There it takes metres
     # (rather than being materialised), so the outer body finishes and `rate`
     # is found to be in m/s.
-    from quaxlike.examples.unitful import m, s, Unitful
-
-    x, t = Unitful(randn(0, (3,)), m), Unitful(jnp.array(2.0), s)
+    from quaxlike.examples.unitful import m, s
 
     def f(x, t):
         def outer(i, carry):
@@ -292,12 +288,16 @@ def test_a_stand_in_meeting_a_unit_in_a_nested_loop_takes_it(jitted):
 
         return lax.fori_loop(0, 3, outer, (x, jnp.zeros(3)))
 
-    _same_as_unitless(f, jitted, x, t, units=(m, m / s))
+    _same_as_unitless(f, jitted, units=(m, m / s))
 
 
-def _same_as_unitless(f, jitted, x, t, units):
-    """`quaxify(f)` on quantities (under `eqx.filter_jit` if `jitted`) gives
-    quantities in `units` whose numbers are `f` of the bare numbers."""
+def _same_as_unitless(f, jitted, units):
+    """`quaxify(f)` on `x` in metres and `t` in seconds (under `eqx.filter_jit` if
+    `jitted`) gives quantities in `units` whose numbers are `f` of the bare
+    numbers."""
+    from quaxlike.examples.unitful import m, s, Unitful
+
+    x, t = Unitful(randn(0, (3,)), m), Unitful(jnp.array(2.0), s)
     outs = quaxlike.quaxify(eqx.filter_jit(f) if jitted else f)(x, t)
     for out, unit, expected in zip(outs, units, f(x.array, t.array), strict=True):
         assert out.unit == unit

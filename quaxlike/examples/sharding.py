@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 import quaxlike
+from quaxlike.internal import has_explicit_axes
 
 from .selection import as_selection, dotted_path, is_value, selected
 
@@ -322,9 +323,8 @@ def gathered(layer: PyTree, mesh: Any) -> PyTree:
     arrays, static = eqx.partition(layer, eqx.is_array)
     arrays = jax.lax.optimization_barrier(arrays)
     whole = NamedSharding(mesh, PartitionSpec())
-    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
-    if explicit is not None and explicit in getattr(mesh, "axis_types", ()):
-        # `Explicit` axes: a sharding is part of the type, and only `reshard`
-        # changes it (a constraint would have to agree with it).
+    if has_explicit_axes(mesh):
+        # A sharding is part of the type there, and only `reshard` changes it (a
+        # constraint would have to agree with it).
         return eqx.combine(jax.sharding.reshard(arrays, whole), static)
     return eqx.combine(quaxlike.with_sharding_constraint(arrays, whole), static)

@@ -10,6 +10,7 @@ from .._jax_compat import (
 from .._logical_sharding import (
     cannot_follow as cannot_follow,
     follow_axes as follow_axes,
+    has_explicit_axes as has_explicit_axes,
     logical_entries as logical_entries,
     with_leaf_specs as with_leaf_specs,
 )

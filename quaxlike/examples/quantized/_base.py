@@ -13,7 +13,13 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Int8
 
 import quaxlike
-from quaxlike.internal import follow_axes, logical_entries, ShapedArray, with_leaf_specs
+from quaxlike.internal import (
+    follow_axes,
+    has_explicit_axes,
+    logical_entries,
+    ShapedArray,
+    with_leaf_specs,
+)
 
 
 _REFUSE_MSG = (
@@ -97,13 +103,9 @@ def dequantize_rows(ints: Array, groups: Array) -> Array:
 
 def explicit_sharding(x: Array):
     """`x`'s sharding where its type names one along an `Explicit` mesh axis
-    (JAX 0.7 and later, `jax.sharding.AxisType`), else `None`: there JAX asks a
-    program to say how results are sharded where it cannot tell, and never
-    reshards implicitly."""
-    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    (`has_explicit_axes`), else `None`."""
     sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if explicit is None or mesh is None or explicit not in getattr(mesh, "axis_types", ()):
+    if not has_explicit_axes(getattr(sharding, "mesh", None)):
         return None
     spec = getattr(sharding, "spec", ())
     return sharding if any(entry is not None for entry in spec) else None

@@ -236,10 +236,11 @@ def _rebuild(exponents, scale) -> Unit:
 
 class UnresolvedUnit(Unit):
     """The unit of a stand-in (`Unitful.stand_in_for_plain`): a loop carry that
-    enters as a plain 0, inf or NaN array, traced once to see which unit the
-    loop's body gives it. It fits every unit, with factor 1, and every product,
-    quotient or power with it is unresolved too. Only that one trace sees it: the
-    loop is then traced again with the units found, and every check in force.
+    enters as a plain 0, inf or NaN array, in a trace made only to see which unit
+    the loop's body gives it. It fits every unit, with factor 1, and every
+    product, quotient or power with it is unresolved too. Only such traces see
+    it: the loop is then traced again with the units found, and every check in
+    force.
     """
 
     __slots__ = ()

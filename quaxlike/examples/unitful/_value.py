@@ -186,9 +186,10 @@ class Unitful(quaxlike.ArrayValue):
         # A loop's float carry that starts as 0, +-inf or NaN (a solver's buffer
         # or stage) may be meant to hold quantities in a unit only the loop's
         # body tells; inside the body its value is no longer known, so it would
-        # be refused there as a plain number. It enters once in a unit still
-        # being worked out, which fits any other, to see the unit the body gives
-        # it; the loop is then traced from `holding_plain` in that unit.
+        # be refused there as a plain number. It enters a trace made to find
+        # units in a unit still being worked out, which fits any other, to see
+        # the unit the body gives it; the loop is then traced from
+        # `holding_plain` in that unit.
         dtype = jnp.result_type(array)
         if not jnp.issubdtype(dtype, jnp.inexact) or not fits_every_unit(array):
             return None
