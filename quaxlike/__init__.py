@@ -3,6 +3,7 @@
 import importlib.metadata
 
 from . import _higher_order  # noqa: F401  (registers the higher-order rules)
+from ._dense import DenseArrayValue as DenseArrayValue
 from ._diagnostics import (
     AmbiguousRuleError as AmbiguousRuleError,
     BranchMaterialisationError as BranchMaterialisationError,
@@ -26,7 +27,7 @@ from ._operators import ArrayOperators as ArrayOperators
 from ._policy import materialise_policy as materialise_policy
 from ._quaxify import quaxify as quaxify
 from ._rules import register as register, rules_for as rules_for
-from ._values import ArrayValue as ArrayValue, DenseArrayValue as DenseArrayValue, Value as Value
+from ._values import ArrayValue as ArrayValue, Value as Value
 
 
 try:

@@ -21,7 +21,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _instrument, _jax_compat as jc
+from . import _instrument, _jax_compat as jc, _known_values
 from ._diagnostics import (
     keeping_class,
     messages,
@@ -176,7 +176,11 @@ def _call_in_trace(trace: QuaxTrace, leaves, treedef, static, selected):
         lifted = [trace.lift(x) if chosen else x for x, chosen in zip(leaves, selected)]
     dynamic = jtu.tree_unflatten(treedef, lifted)
     fn, args, kwargs = dynamic if static is None else eqx.combine(dynamic, static, is_leaf=is_value)
-    out = fn(*args, **kwargs)
+    tracking = _known_values.opening_for(leaves)
+    try:
+        out = fn(*args, **kwargs)
+    finally:
+        _known_values.closing(tracking)
     if type(out) in _LEAF_TYPES:
         return trace.unwrap(out)  # a single leaf: what flattening finds
     # Flatten fully (into Values too) so that a Value built from this trace's

@@ -7,7 +7,9 @@ path, as in Autodidax's interpreter:
 1. *open* (`_open`): take over the tracers of adopted traces, and unwrap this
    trace's tracers into their Values; an operation with none of them is the
    parent trace's business and leaves at once (eagerly, a `jit` on plain
-   arrays leaves through one compiled call, `_sub_programs.run_compiled`).
+   arrays leaves through one compiled call, `_sub_programs.run_compiled`;
+   where a type tracks values known while tracing, `_known_values` notes how
+   to compute its outputs).
 2. *plan* (`plan_for`): the rule registry's plan for these argument kinds,
    looked up once per operation.
 3. *shortcut* (only for a rule that owns shortcuts, the `jit`/`closed_call`
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _concrete, _instrument, _jax_compat as jc
+from . import _concrete, _instrument, _jax_compat as jc, _known_values
 from ._diagnostics import messages, QuaxlikeError, rule_location, rule_name
 from ._rules import dispatch_kind, Plan, plan_for
 from ._staging import shortcuts_apply
@@ -224,7 +226,11 @@ class QuaxTrace(jc.Trace):
                     return run_compiled(tracers, params)
             # The parent trace's `process_primitive` directly: `Primitive.bind`
             # made its checks on the way here, with these arguments and params.
-            return self.parent_trace.process_primitive(primitive, tracers, params)
+            out = self.parent_trace.process_primitive(primitive, tracers, params)
+            if _known_values.tracking():
+                # A type asked which plain values are constants in disguise.
+                _known_values.remember(primitive, tracers, params, out)
+            return out
         kinds = tuple(map(dispatch_kind, values))
         plan = plan_for(primitive, values, kinds)
         return self.apply_plan(primitive, plan, tracers, values, kinds, params)
@@ -279,4 +285,9 @@ class QuaxTrace(jc.Trace):
         return self._dispatch(primitive, plan, args, values, params, wrap=wrap)
 
     def stage_value(self, val):
-        return val if self.owns(val) else self.parent_trace.stage_value(val)
+        if self.owns(val):
+            return val
+        staged = self.parent_trace.stage_value(val)
+        if _known_values.tracking():  # a constant JAX stages (`lax.full`'s fill)
+            _known_values.sharing_knowledge([staged], _known_values.knowledge_of([val]))
+        return staged

@@ -59,6 +59,12 @@ class Value(eqx.Module):
     ordinary operations (dtype promotion asks every operand), and answering
     means materialising: worth it where that is free (`DenseArrayValue`).
 
+    The class attribute `tracks_known_values` (default `False`) asks quaxlike to
+    note, while a Value of this type is lifted, which plain arrays are constants
+    in disguise under `jit` (`quaxlike.internal.known_value`,
+    `is_scale_invariant`): `Unitful` lets a known 0, inf or NaN stand beside
+    any quantity. Rules of other types never pay for it.
+
     Unlike other Equinox Modules, a Value's bound methods (`value.materialise`)
     are ordinary Python bound methods, not PyTrees: rules call them on every
     primitive, and Equinox's PyTree bound methods cost tens of microseconds
@@ -98,6 +104,7 @@ class Value(eqx.Module):
     warn_on_materialise: ClassVar[bool] = True
     compile_eagerly: ClassVar[bool] = False
     concrete_eagerly: ClassVar[bool] = False
+    tracks_known_values: ClassVar[bool] = False
 
     # Equinox looks every attribute of a Module up through a Python-level
     # `__getattribute__` that turns methods into bound-method Modules (PyTrees),
@@ -209,6 +216,24 @@ class Value(eqx.Module):
         An array of this Value's shape and dtype, computed from its leaves.
         """
         return self.materialise()
+
+    def as_cotangent(self, leaf_cotangents: "Value") -> "Value":
+        """The cotangent of the array this Value stands for, from `leaf_cotangents`
+        (a Value of this one's structure holding the cotangents of its leaves),
+        as a `custom_vjp`'s backward pass receives it; `cotangent_leaves` is the
+        inverse. The base implementation returns `leaf_cotangents`: right for a
+        type with `structured_tangents` whose array is its leaves in another
+        form. `Unitful` overrides both: the cotangent of a quantity in `m` is
+        in `1/m`."""
+        return leaf_cotangents
+
+    def cotangent_leaves(self, cotangent: "Value") -> "Value | None":
+        """The inverse of `as_cotangent`: a Value of this one's structure holding
+        the cotangents of its leaves, from the `cotangent` that a backward pass
+        gave this Value, or `None` if it is not of that form (it is then pulled
+        back through `dense_for_derivatives`). The base implementation accepts
+        a Value of the same type (quaxlike then checks its structure)."""
+        return cotangent if type(cotangent) is type(self) else None
 
     def joinable_form(self) -> "Value":
         """The form this Value takes where it meets a plain array: a loop carry
@@ -349,42 +374,6 @@ class ArrayValue(Value):
         return int(np.prod(self.aval().shape))  # pyright: ignore
 
 
-class DenseArrayValue(ArrayValue):
-    """A Value that wraps one ordinary array and materialises to it.
-
-    Every primitive falls back to materialising, so a `DenseArrayValue` computes
-    exactly what the wrapped array would (eagerly, functions that need the
-    array's value, such as `jnp.unique` or `x.item()`, get it too); it is useful to force arrays through the
-    interpreter (benchmarks, tests) and as the simplest possible example type.
-    Being dense is its purpose, so `materialise_policy` leaves it alone.
-
-    **Arguments:**
-
-    - `array`: the array it wraps.
-
-    !!! example
-
-        ```python
-        x = jnp.arange(4.0)
-        out = quaxlike.quaxify(lambda v: jnp.cumsum(v) * 2)(quaxlike.DenseArrayValue(x))
-        assert jnp.array_equal(out, jnp.cumsum(x) * 2)
-        ```
-    """
-
-    warn_on_materialise: ClassVar[bool] = False
-    # Materialising is free: eagerly, JAX's concreteness questions (`x.item()`,
-    # `jnp.unique`, boolean masks) get the wrapped array, as for a plain array.
-    concrete_eagerly: ClassVar[bool] = True
-
-    array: ArrayLike
-
-    def aval(self) -> jc.ShapedArray:
-        return jax.typeof(self.array)  # pyright: ignore
-
-    def materialise(self) -> ArrayLike:
-        return self.array
-
-
 # `isinstance(x, Value)` goes through `ABCMeta.__instancecheck__` (about a
 # microsecond); `is_value` runs on every PyTree node `quaxify` flattens, so it
 # remembers the answer per type. Classes are never re-parented, so the answer
@@ -478,11 +467,14 @@ def materialise_value(
         aval = checked_aval(value)
     if not fallback:
         return _materialise_as(value, aval, primitive)
-    _instrument.note_materialised(value)
     _policy.on_fallback(value, primitive)
-    return _materialise_as(
+    out = _materialise_as(
         value, aval, primitive, refused=lambda error: _refused(value, primitive, operands, error)
     )
+    # Noted once done: a refusal that a loop or `cond` recovers from (by holding
+    # the plain side in the Value's type) materialised nothing.
+    _instrument.note_materialised(value)
+    return out
 
 
 def _materialise_as(value: Value, aval: jc.AbstractValue, primitive, refused=None) -> Any:

@@ -6,6 +6,7 @@ from jax import lax
 
 from .. import _jax_compat as jc
 from .._diagnostics import BranchMaterialisationError, messages, QuaxlikeError
+from .._known_values import knowledge_of, sharing_knowledge
 from .._quaxify import lifted_call
 from .._rules import register
 from .._values import Value
@@ -26,6 +27,7 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
     dense: set[int] = set()
     joins: dict[int, Value] = {}
     retyped: list[dict] = [{} for _ in branches]
+    knowledge = knowledge_of(operands)
     while True:
         signatures: list = [None] * len(branches)
         templates: list = [None] * len(branches)
@@ -38,6 +40,7 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
                 body = ft.partial(lifted_call, jc.jaxpr_as_fun(branches[i]))
 
             def branch(*ops):
+                sharing_knowledge(ops, knowledge)  # fresh tracers for the operands
                 out = body(*ops)
                 out = [_to_dense_output(o, j) if j in dense else o for j, o in enumerate(out)]
                 out = [

@@ -22,6 +22,7 @@ it, under any outer transformation:
   for every type and never keeps the dense array.
 """
 
+import contextvars
 from typing import Any
 
 import equinox as eqx
@@ -32,6 +33,7 @@ import numpy as np
 
 from .. import _jax_compat as jc
 from .._diagnostics import messages, QuaxlikeError
+from .._known_values import knowledge_of, sharing_knowledge
 from .._quaxify import lifted_call
 from .._rules import register, sub_program_rule
 from .._values import checked_aval, materialise_value, Value
@@ -149,14 +151,19 @@ def custom_jvp_call_p_values(*values: AnyValue, fun, jvp, symbolic_zeros: bool, 
     primal_dense = _reusable(fun, avals)
     rule = _JvpRule(jvp, avals, symbolic_zeros)
     outputs: list[_Flattened] = []
+    # JAX hands the function fresh tracers for the leaves: what was known
+    # outside is known inside (`_known_values`).
+    knowledge = knowledge_of(inputs.leaves)
 
     @jax.custom_jvp
     def leaf_function(*leaves):
+        sharing_knowledge(leaves, knowledge)
         out = _Flattened(lifted_call(primal_dense, *inputs.rebuild(leaves)))
         outputs[:] = [out]
         return out.take_leaves()
 
     def leaf_function_jvp(primals, tangents):
+        sharing_knowledge(primals, knowledge)
         primals = _as_arrays(primals)
         primal_values = inputs.rebuild(primals)
         rule_tangents = [
@@ -308,6 +315,51 @@ def _zeros_like_leaf(x):
     return jnp.zeros_like(x) if _is_inexact(x) else _tangent_zeros_like(x)
 
 
+# Context variables that rules read, whose values at the forward pass its
+# `bwd` runs with: JAX runs `bwd` later, when the forward's scopes have ended.
+_carried_into_bwd: list[contextvars.ContextVar] = []
+
+
+def carry_into_backward_passes(variable: contextvars.ContextVar) -> None:
+    """Have a `custom_vjp`'s backward pass run with `variable` as it was when its
+    forward pass was traced.
+
+    A type whose rules read a setting from a context variable (set by a scope
+    the user opens around the forward call) registers it here: JAX runs a
+    `custom_vjp`'s `bwd` only when the derivative is taken, after that scope
+    has ended, and its rules must decide as the forward's did.
+
+    **Arguments:**
+
+    - `variable`: a `contextvars.ContextVar` with a default.
+
+    !!! example
+
+        ```python
+        import contextvars
+
+        # A setting a type's rules read, given by a scope around the forward call.
+        rounding = contextvars.ContextVar("my_type_rounding", default="nearest")
+        quaxlike.internal.carry_into_backward_passes(rounding)
+        ```
+    """
+    if variable not in _carried_into_bwd:
+        _carried_into_bwd.append(variable)
+
+
+def _forward_context() -> list:
+    return [(variable, variable.get()) for variable in _carried_into_bwd]
+
+
+def _in_forward_context(context: list, fn, *args):
+    tokens = [variable.set(value) for variable, value in context]
+    try:
+        return fn(*args)
+    finally:
+        for (variable, _), token in zip(reversed(context), reversed(tokens)):
+            variable.reset(token)
+
+
 @register(jc.custom_vjp_call_p)
 @sub_program_rule(_primal_sub_program)
 def custom_vjp_call_p_values(
@@ -321,9 +373,12 @@ def custom_vjp_call_p_values(
     primal_dense = _reusable(fun, _avals(values))
     outputs: list[_Flattened] = []
     residual_static: list = []
+    knowledge = knowledge_of(inputs.leaves)  # as for `custom_jvp`
+    forward_context = _forward_context()
 
     @jax.custom_vjp
     def leaf_function(*leaves):
+        sharing_knowledge(leaves, knowledge)
         out = _Flattened(lifted_call(primal_dense, *inputs.rebuild(leaves)))
         outputs[:] = [out]
         return out.take_leaves()
@@ -331,7 +386,9 @@ def custom_vjp_call_p_values(
     def leaf_fwd(*primals):
         # Registered with symbolic zeros, so JAX says which leaves are perturbed;
         # a Value is perturbed when any of its leaves is.
-        leaves = _as_arrays([p.value for p in primals])
+        leaves = [p.value for p in primals]
+        sharing_knowledge(leaves, knowledge)
+        leaves = _as_arrays(leaves)
         perturbed = [any(p.perturbed for p in primals[a:b]) for a, b in inputs.spans]
         in_perturbed[:] = [perturbed]
         in_values = inputs.rebuild(leaves)
@@ -359,7 +416,13 @@ def custom_vjp_call_p_values(
         # Cotangents of Value outputs are rebuilt as Values of the same type
         # (checked above: types with `structured_tangents`, or zero).
         cts = outputs[0].rebuild_tangents(out_leaves, out_cts)
-        in_cts = lifted_call(_bwd_cotangents, bwd, *residuals, *cts)
+        cts = [
+            primal.as_cotangent(ct) if isinstance(primal, Value) else ct
+            for primal, ct in zip(outputs[0].rebuild(out_leaves), cts)
+        ]
+        in_cts = _in_forward_context(
+            forward_context, lifted_call, _bwd_cotangents, bwd, *residuals, *cts
+        )
         return tuple(_leaf_cotangents(inputs, in_leaves, in_cts, in_perturbed[0]))
 
     in_perturbed: list = []
@@ -393,18 +456,20 @@ def _check_output_cotangents(outputs: "_Flattened", out_cts) -> None:
         raise QuaxlikeError(messages.CUSTOM_VJP_OUTPUT_COTANGENT.format(type_name=cls.__name__))
 
 
-def _leafwise(value: Value, ct) -> bool:
-    """Whether the cotangent `ct` that `bwd` gave `value` is a Value of the same
-    type and structure whose leaves are the cotangents of `value`'s leaves: for a
-    type with `structured_tangents` (its array linear in its leaves), as Quax
-    takes them. (Exact where the array is an isometric image of the leaves, as
-    for dense wrappers, units, named axes and symbolic zeros; such a type need
-    not be able to materialise.)"""
-    return (
-        isinstance(ct, Value)
-        and getattr(type(value), "structured_tangents", True)
-        and _Flattened([value]).same_structure(_Flattened([ct]))
-    )
+def _leafwise(value: Value, ct) -> Value | None:
+    """Where the cotangent `ct` that `bwd` gave `value` is a Value that reads as
+    the cotangents of `value`'s leaves (`Value.cotangent_leaves`: a Value of the
+    same type and structure, for a type with `structured_tangents`, its array
+    linear in its leaves, as Quax takes them), that Value of leaf cotangents;
+    else `None`. (Exact where the array is an isometric image of the leaves,
+    as for dense wrappers, units, named axes and symbolic zeros; such a type
+    need not be able to materialise.)"""
+    if not isinstance(ct, Value) or not getattr(type(value), "structured_tangents", True):
+        return None
+    leaf_cts = value.cotangent_leaves(ct)
+    if leaf_cts is None or not _Flattened([value]).same_structure(_Flattened([leaf_cts])):
+        return None
+    return leaf_cts
 
 
 def _leaf_cotangents(inputs: "_Flattened", in_leaves, in_cts, perturbed):
@@ -418,8 +483,8 @@ def _leaf_cotangents(inputs: "_Flattened", in_leaves, in_cts, perturbed):
         ct = in_cts[position]
         if ct is None or start == stop or not perturbed[position]:
             continue
-        if is_value and _leafwise(values[position], ct):
-            out[start:stop] = _Flattened([ct]).leaves
+        if is_value and (leaf_cts := _leafwise(values[position], ct)) is not None:
+            out[start:stop] = _Flattened([leaf_cts]).leaves
             continue
         if isinstance(ct, Value):
             ct = dense_array(ct, jc.custom_vjp_call_p)

@@ -3,7 +3,7 @@
 
 import dataclasses
 import functools as ft
-from typing import cast
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -74,10 +74,13 @@ def _run_with_carry_fallback(primitive, init, run, operands):
                 # Ours, from inside the body: not JAX rejecting the carry. Perhaps
                 # a plain carry the body would accept as a Value (one found may
                 # show the next: a sum of products of it).
-                joins = _joins_found_by_stand_ins(run, plan, init, operands)
+                joins, error_with_stand_ins = _joins_found_by_stand_ins(run, plan, init, operands)
                 if not joins:
-                    body_error.__suppress_context__ = True  # not JAX's carry check
-                    raise body_error
+                    # With its plain carries standing in, the body may fail further
+                    # on: that error is the one to fix, not what plain carries did.
+                    error = error_with_stand_ins or body_error
+                    error.__suppress_context__ = True  # not JAX's carry check
+                    raise error
                 plan.joins.update(joins)
                 continue
             if plan.declined:  # a type did not hold the plain array: materialise there
@@ -129,11 +132,12 @@ def _catching(record: dict, body, rejected):
     return traced
 
 
-def _joins_found_by_stand_ins(run, plan: _CarryPlan, init, operands) -> dict:
+def _joins_found_by_stand_ins(run, plan: _CarryPlan, init, operands) -> tuple[dict, Any]:
     """Trace the loop once with each plain carry replaced by the stand-in that a
     Value among `operands` offers for it, and return, for each carry the body
-    gave a Value of another structure, the join to plan (`_CarryPlan.joins`).
-    The trace's results are dropped."""
+    gave a Value of another structure, the join to plan (`_CarryPlan.joins`),
+    and the error of ours the body raised with the stand-ins, if it did. The
+    trace's results are dropped."""
     stand_ins: dict[int, Value] = {}
     offering = {type(v): v for v in operands if isinstance(v, Value)}.values()
     for i, x in enumerate(init):
@@ -144,7 +148,7 @@ def _joins_found_by_stand_ins(run, plan: _CarryPlan, init, operands) -> dict:
         if stand_in is not None:
             stand_ins[i] = stand_in
     if not stand_ins:
-        return {}
+        return {}, None
     trial = dataclasses.replace(
         plan, dense=dict(plan.dense), joins=dict(plan.joins), declined=set(), stand_ins=stand_ins
     )
@@ -155,16 +159,18 @@ def _joins_found_by_stand_ins(run, plan: _CarryPlan, init, operands) -> dict:
         pass  # JAX rejects the changed carries; only what the body returned matters
     out_templates = record.get("carry_out_templates")
     if out_templates is None or "body_error" in record:  # failed with stand-ins too
-        return {}
+        return {}, record.get("body_error")
     joins = {}
     for i, stand_in in stand_ins.items():
         out = out_templates[i]
-        if out is None or same_structure(out, abstract_template(stand_in)):
+        if out is None or (
+            stand_in.standing_in() and same_structure(out, abstract_template(stand_in))
+        ):
             continue  # the body gave the carry no type of its own: it stays plain
         template = joined_template([out])
         if template is not None:
             joins[i] = (template, (describe(init[i]), record["carry_out_text"][i]))
-    return joins
+    return joins, None
 
 
 def _join_template(record: dict, i: int) -> Value | None:

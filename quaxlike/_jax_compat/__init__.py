@@ -36,6 +36,7 @@ from ._primitives import (
     CUSTOM_VJP_BWD_RETURNS_LOGS as CUSTOM_VJP_BWD_RETURNS_LOGS,
     custom_vjp_call_p as custom_vjp_call_p,
     custom_vjp_cotangents as custom_vjp_cotangents,
+    has_effects as has_effects,
     JIT_INLINE_AT_TRACE as JIT_INLINE_AT_TRACE,
     jit_inlines_at_trace as jit_inlines_at_trace,
     jit_needs_only_keep_unused as jit_needs_only_keep_unused,

@@ -245,3 +245,28 @@ def lax_primitive_by_name(name: str):
             if isinstance(value, Primitive) and value.name == name:
                 return value
     return None
+
+
+def has_effects(primitive, inputs, params: dict) -> bool:
+    """Whether binding `primitive` on `inputs` with `params` has an effect (a
+    callback, state, ordered I/O): its abstract evaluation says so. Where it
+    cannot say (a primitive that needs more than avals), `True`.
+
+    **Arguments:**
+
+    - `primitive`: a JAX primitive, bound on plain arrays.
+    - `inputs`: its operands (arrays, tracers or numbers).
+    - `params`: the params it was bound with.
+
+    **Returns:**
+
+    `False` only where the primitive is known to have no effect.
+    """
+    try:
+        evaluated = primitive.abstract_eval(*map(jax.typeof, inputs), **params)
+    except Exception:
+        return True
+    # `Primitive.abstract_eval` gives `(avals, effects)` in every release tested.
+    if isinstance(evaluated, tuple) and len(evaluated) == 2:
+        return bool(evaluated[1])
+    return True

@@ -2,8 +2,11 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import jax
+import jax.numpy  # noqa: F401  (`jax.numpy.zeros` below)
+import numpy as np
 
 from .. import _jax_compat as jc
+from .._known_values import known_value
 from .._values import checked_aval, Value
 
 
@@ -57,3 +60,44 @@ def output_aval(primitive: jc.Primitive, args: Sequence[Any], params: dict[str, 
         out = jax.eval_shape(lambda *xs: primitive.bind(*xs, **params), *structs)
     to_aval = lambda s: jc.ShapedArray(s.shape, s.dtype, weak_type=s.weak_type)  # noqa: E731
     return [to_aval(s) for s in out] if primitive.multiple_results else to_aval(out)
+
+
+def holding_known_zeros(value: Value, array: Any) -> Value | None:
+    """`value` with every array leaf zero, standing for `array`, where `array` is
+    a plain array known while tracing to be 0 everywhere (`known_value`): what a
+    type whose array is a product of its leaves (a quantised weight, a banded
+    matrix) gives from `Value.holding_plain`, so that a loop state that starts as
+    zeros in its place keeps its type.
+
+    A known value is computed from constants alone, so it carries no derivative
+    that the zero leaves would drop. The type must set
+    `Value.tracks_known_values` for values made under `jit` to be known.
+
+    **Arguments:**
+
+    - `value`: a Value whose array is 0 when all its leaves are.
+    - `array`: the plain array it is asked to hold.
+
+    **Returns:**
+
+    The zero Value, or `None` where `array` is not known to be 0 or its shape
+    or dtype differ from `value`'s.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.structured import TriDiagonal
+
+        t = TriDiagonal(jnp.ones(2), jnp.ones(3), jnp.ones(2))
+        held = quaxlike.internal.holding_known_zeros(t, jnp.zeros((3, 3)))
+        assert isinstance(held, TriDiagonal) and not held.materialise().any()
+        assert quaxlike.internal.holding_known_zeros(t, jnp.ones((3, 3))) is None
+        ```
+    """
+    aval = checked_aval(value)
+    if jax.typeof(array).shape != aval.shape or jax.typeof(array).dtype != aval.dtype:
+        return None
+    known = known_value(array)
+    if known is None or not bool(np.all(known == 0)):
+        return None
+    return jax.tree.map(lambda leaf: jax.numpy.zeros(leaf.shape, leaf.dtype), value)

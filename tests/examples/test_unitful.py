@@ -360,10 +360,11 @@ def test_grad_inside_through_where(getseed):
     assert tree_allclose(inside.array, expected) and tree_allclose(outside, expected)
 
 
-def test_grad_through_relu_under_jit_is_a_known_limitation(getseed):
+def test_grad_through_relu_under_jit(getseed):
     # `relu`'s derivative selects between the tangent and `lax.full_like(g, 0)`:
-    # zeros made by the differentiation itself, outside any `jit` body, so under
-    # `jax.jit` a traced plain array whose value is not known (see README).
+    # zeros made by the differentiation itself, outside any `jit` body. Under
+    # `jax.jit` they are traced, and known while tracing because a `Unitful`
+    # asks quaxlike to note constants (`Value.tracks_known_values`).
     x, cap = q(getseed(), (3,), m), Unitful(arr(0.5), m)
 
     def f(x, cap):
@@ -372,15 +373,24 @@ def test_grad_through_relu_under_jit_is_a_known_limitation(getseed):
     def outside(a):
         return quaxlike.quaxify(f)(Unitful(a, m), cap).array
 
-    match = "`select_n` got a plain array.*not known while tracing"
-    with pytest.raises(UnitError, match=match):
-        jax.jit(quaxlike.quaxify(jax.grad(f)))(x, cap)
-    with pytest.raises(UnitError, match=match):
-        jax.jit(jax.grad(outside))(x.array)
-    # Without `jax.jit` the zeros are concrete arrays.
     expected = np.asarray(0.5 * (x.array > 0), np.float32)
+    inside = jax.jit(quaxlike.quaxify(jax.grad(f)))(x, cap)
+    assert inside.unit == m and tree_allclose(inside.array, expected)
+    assert tree_allclose(jax.jit(jax.grad(outside))(x.array), expected)
     assert tree_allclose(jax.grad(outside)(x.array), expected)
     assert tree_allclose(quaxlike.quaxify(jax.grad(f))(x, cap).array, expected)
+
+
+def test_unknown_plain_value_still_refused_under_jit(getseed):
+    # A plain array computed from a traced argument is not known: it could be
+    # anything, so it is refused beside metres, eagerly known or not.
+    x = q(getseed(), (3,), m)
+
+    def f(x, c):
+        return jnp.where(c > 0, x, c)
+
+    with pytest.raises(UnitError, match="`select_n` got a plain array.*not known while tracing"):
+        jax.jit(quaxlike.quaxify(f))(x, jnp.zeros(3))
 
 
 # --- errors ----------------------------------------------------------------------
@@ -645,7 +655,7 @@ def test_cond_branches_that_disagree_report_the_refusal_as_a_value_error(jit):
     # reports_refusal); ours is a BranchMaterialisationError (a ValueError and a
     # MaterialisationError) naming the output, whose cause is the UnitError.
     def f(x, pred):
-        return jax.lax.cond(pred, lambda: x, lambda: jnp.zeros(3))
+        return jax.lax.cond(pred, lambda: x, lambda: jnp.ones(3))
 
     f = quaxlike.quaxify(f)
     with pytest.raises(ValueError, match="Refusing to materialise a Unitful") as caught:
@@ -654,3 +664,17 @@ def test_cond_branches_that_disagree_report_the_refusal_as_a_value_error(jit):
     assert isinstance(caught.value, quaxlike.MaterialisationError)
     assert "output 0" in str(caught.value)
     assert isinstance(caught.value.__cause__, UnitError)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_cond_branch_of_known_zeros_takes_the_other_branch_unit(jit):
+    # Zeros made in a branch are known while tracing, and 0 fits every unit:
+    # the branch is held as a quantity in the other branch's unit (as a loop
+    # carry that starts as `jnp.zeros` is), not refused.
+    def f(x, pred):
+        return jax.lax.cond(pred, lambda: x, lambda: jnp.zeros(3))
+
+    f = quaxlike.quaxify(f)
+    for pred, expected in ((True, np.arange(3.0)), (False, np.zeros(3))):
+        out = (jax.jit(f) if jit else f)(Unitful(jnp.arange(3.0), m), jnp.array(pred))
+        assert out.unit == m and tree_allclose(out.array, jnp.asarray(expected, jnp.float32))

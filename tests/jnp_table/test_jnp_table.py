@@ -103,11 +103,22 @@ def test_column_compiled(name):
 
 
 def test_a_plain_carry_meeting_a_quantity_is_refused_naming_the_operation():
-    # `jnp.polyval`'s pattern: the carry starts as plain zeros and meets a
-    # quantity inside the loop. That is refused where it happens, naming `add`
-    # and the way out (a traced plain array could be anything, not only 0).
+    # `jnp.polyval`'s pattern: the carry starts as a plain array and meets a
+    # quantity inside the loop. A start that is a traced argument could be
+    # anything, not only 0: refused where it happens, naming `add` and the way
+    # out.
+    def f(x, start):
+        return jax.lax.scan(lambda c, x: (c + x, None), start, x)[0]
+
+    with pytest.raises(UnitError, match="`add` got a plain array"):
+        jax.jit(quaxlike.quaxify(f))(Unitful(jnp.ones(3), m), jnp.zeros(()))
+
+
+def test_a_plain_carry_of_known_zeros_takes_the_unit_it_meets():
+    # The same loop from `jnp.zeros`, made under `jax.jit`: a constant known
+    # while tracing, and 0 fits every unit, so the carry becomes a quantity.
     def f(x):
         return jax.lax.scan(lambda c, x: (c + x, None), jnp.zeros(()), x)[0]
 
-    with pytest.raises(UnitError, match="`add` got a plain array"):
-        jax.jit(quaxlike.quaxify(f))(Unitful(jnp.ones(3), m))
+    out = jax.jit(quaxlike.quaxify(f))(Unitful(jnp.array([1.0, 2.0, 3.0]), m))
+    assert out.unit == m and float(out.array) == 6.0

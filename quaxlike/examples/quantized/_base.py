@@ -164,8 +164,22 @@ class QuantizedArray(quaxlike.ArrayValue):
     matmul: eqx.AbstractVar[str | None]
     scale: eqx.AbstractVar[Array]
 
+    # A loop state that starts as zeros in a weight's place (optimistix's least
+    # squares carries its Jacobian operator) is held with zero codes and scales.
+    tracks_known_values: ClassVar[bool] = True
+
     def __check_init__(self):
         check_matmul(self.matmul, type(self).__qualname__)
+
+    def holding_plain(self, array: Any) -> "QuantizedArray | None":
+        # Every subclass stands for codes times scales: zero scales are 0.
+        return quaxlike.internal.holding_known_zeros(self, array)
+
+    def stand_in_for_plain(self, array: Any) -> "QuantizedArray | None":
+        # A loop state of zeros that the body would refuse beside this weight
+        # (a `cond` choosing between it and the weight) stands in as the zero
+        # weight, to see whether the body gives it this type.
+        return quaxlike.internal.holding_known_zeros(self, array)
 
     @property
     @abc.abstractmethod

@@ -68,6 +68,12 @@ class StructuredMatrix(quaxlike.ArrayValue):
 
     # Orders the types by how much they can represent, for mixed-type rules.
     _kind: ClassVar[int]
+    # A loop state that starts as zeros in a matrix's place (optimistix's least
+    # squares carries its Jacobian operator) is held with zero bands.
+    tracks_known_values: ClassVar[bool] = True
+
+    def holding_plain(self, array: Any) -> "StructuredMatrix | None":
+        return quaxlike.internal.holding_known_zeros(self, array)
 
     @property
     @abc.abstractmethod
@@ -237,6 +243,9 @@ class Identity(StructuredMatrix):
 
     def astype(self, dtype: DTypeLike) -> "Identity":
         return Identity(self._n, dtype)
+
+    def holding_plain(self, array: Any) -> None:
+        return None  # no leaves to set to zero: it is always the identity
 
     def materialise(self) -> Array:
         return jnp.eye(self._n, dtype=self._dtype)

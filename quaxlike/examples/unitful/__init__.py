@@ -1,6 +1,7 @@
 """Arrays with physical units: `Unitful(array, unit)`, with a small unit algebra."""
 
 from . import _functions, _linalg, _rules  # noqa: F401  (register Unitful's rules)
+from ._constants import plain_constants_take_units as plain_constants_take_units
 from ._quax_names import (
     as_unit as as_unit,
     Dimension as Dimension,

@@ -20,7 +20,8 @@ is not recognised, and goes primitive by primitive as any other function).
 
 The `jit` rule (`jit_p_unitful`, at the end) is where both meet: a recognised
 function goes to its rule here, and any other `jit` runs its body with the
-values known while tracing remembered (see `_constants`).
+values known while tracing tracked (`Unitful.tracks_known_values`; see
+`_constants`).
 """
 
 import functools as ft
@@ -34,8 +35,9 @@ import jax.numpy as jnp
 from jaxtyping import ArrayLike
 
 import quaxlike
+from quaxlike.internal import is_known
 
-from ._constants import evaluate, is_known, tracking
+from ._constants import reading_constants_in_unit
 from ._operands import _array_of, _common_unit, _unit_of
 from ._value import UnitError, Unitful
 
@@ -217,13 +219,16 @@ def known_function(name: str, jaxpr: Any, args: tuple) -> Callable | None:
 # --- the rule for a `jit` ------------------------------------------------------
 
 
-# `evaluate(jaxpr, *args)` with the Values among `args` lifted (one wrapper for
+def _evaluate(jaxpr, *args):
+    return jax.extend.core.jaxpr_as_fun(jaxpr)(*args)
+
+
+# `_evaluate(jaxpr, *args)` with the Values among `args` lifted (one wrapper for
 # every call: a `jaxpr` is a leaf, never lifted).
-_evaluate_lifted = quaxlike.quaxify(evaluate)
+_evaluate_lifted = quaxlike.quaxify(_evaluate)
 
 
 @quaxlike.register(jax.extend.core.primitives.jit_p)
-@tracking
 def jit_p_unitful(*args: Unitful | ArrayLike, jaxpr, inline=False, name="jit", **params):
     function_rule = known_function(name, jaxpr, args)
     if function_rule is not None:
@@ -247,17 +252,22 @@ def jit_p_unitful(*args: Unitful | ArrayLike, jaxpr, inline=False, name="jit", *
 # One `jax.jit`-wrapped body per (jaxpr, name), so that JAX's own cache sees the
 # same function when the same jitted function is called again. The body holds
 # the jaxpr weakly: a cache entry must not keep its key alive.
-_jitted_bodies: "weakref.WeakKeyDictionary[Any, dict[str, Callable]]" = weakref.WeakKeyDictionary()
+_jitted_bodies: "weakref.WeakKeyDictionary[Any, dict[tuple[str, bool], Callable]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _jitted_body(jaxpr, name: str) -> Callable:
+    # What the body's rules decide depends on `plain_constants_take_units`: a
+    # body traced inside it is not reused outside it, nor the other way round.
     per_name = _jitted_bodies.setdefault(jaxpr, {})
-    if name not in per_name:
+    key = (name, reading_constants_in_unit())
+    if key not in per_name:
         jaxpr_ref = weakref.ref(jaxpr)
 
         def body(*args):
-            return quaxlike.quaxify(tracking(ft.partial(evaluate, jaxpr_ref())))(*args)
+            return _evaluate_lifted(jaxpr_ref(), *args)
 
         body.__name__ = body.__qualname__ = name
-        per_name[name] = jax.jit(body)
-    return per_name[name]
+        per_name[key] = jax.jit(body)
+    return per_name[key]

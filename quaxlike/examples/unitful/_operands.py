@@ -9,7 +9,7 @@ Shared by the primitive rules (`_rules`, `_linalg`) and the rules for whole
 from collections.abc import Sequence
 from typing import Any
 
-from ._constants import fits_every_unit, known_value
+from ._constants import known_value, reading_constants_in_unit, takes_any_unit
 from ._unit import dimensionless, Unit, UnresolvedUnit
 from ._value import convert_array, UnitError, Unitful
 
@@ -28,6 +28,13 @@ _PLAIN_MSG = (
     "is 0, +-inf or NaN everywhere (values that fit every unit). Give it a unit, "
     "for example by passing `Unitful(x, {unit_expr})` into the quaxified function "
     "instead of `x`."
+)
+_KNOWN_PLAIN_MSG = (
+    " Its value is known while tracing: if it is a tolerance or a safeguard of a "
+    "numerical library meant in the unit of whatever it meets (diffrax's "
+    "`PIDController(atol=...)`), call the quaxified function through "
+    "`quaxlike.examples.unitful.plain_constants_take_units`, which reads such "
+    "numbers in the unit they meet."
 )
 _UNKNOWN_PLAIN_MSG = (
     " (Its value is not known while tracing: it depends on a traced input, such as "
@@ -78,10 +85,11 @@ def _common_unit(primitive, args: Sequence[Any], positions: Sequence[int]):
     resolved = [i for i in quantity_positions if not isinstance(args[i].unit, UnresolvedUnit)]
     first = (resolved or quantity_positions)[0]
     unit = args[first].unit
-    # 0, +-inf and NaN fit every unit (see `_constants`); other plain numbers
-    # are dimensionless.
+    # 0, +-inf and NaN fit every unit, and inside `plain_constants_take_units`
+    # every known plain number does (see `_constants`); other plain numbers are
+    # dimensionless.
     plain_positions = [
-        i for i in positions if i not in quantity_positions and not fits_every_unit(args[i])
+        i for i in positions if i not in quantity_positions and not takes_any_unit(args[i])
     ]
     if plain_positions and not isinstance(unit, UnresolvedUnit):
         # Plain numbers are dimensionless with scale 1.
@@ -96,7 +104,7 @@ def _common_unit(primitive, args: Sequence[Any], positions: Sequence[int]):
                         position=i,
                         unit_expr=_unit_expression(args[i].unit),
                     )
-                    + ("" if known_value(args[plain]) is not None else _UNKNOWN_PLAIN_MSG)
+                    + _plain_value_note(args[plain])
                 )
         unit = dimensionless
     arrays = list(args)
@@ -113,6 +121,12 @@ def _common_unit(primitive, args: Sequence[Any], positions: Sequence[int]):
             )
         arrays[i] = convert_array(args[i].array, args[i].unit, unit)
     return arrays, unit
+
+
+def _plain_value_note(x: Any) -> str:
+    if known_value(x) is None:
+        return _UNKNOWN_PLAIN_MSG
+    return "" if reading_constants_in_unit() else _KNOWN_PLAIN_MSG
 
 
 def _unit_expression(unit: Unit) -> str:

@@ -1,7 +1,7 @@
 """The `Unitful` type: an array with a physical unit."""
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -14,7 +14,7 @@ from jaxtyping import ArrayLike
 import quaxlike
 from quaxlike.internal import materialise_value, ShapedArray, with_leaf_specs
 
-from ._constants import fits_every_unit
+from ._constants import takes_any_unit
 from ._quax_names import as_unit, units_of
 from ._unit import dimensionless, Unit, unresolved, UnresolvedUnit
 
@@ -119,6 +119,10 @@ class Unitful(quaxlike.ArrayValue):
     array: ArrayLike
     unit: Unit = eqx.field(static=True)
 
+    # A known 0, inf or NaN fits every unit (`_constants`): ask quaxlike to note
+    # which plain arrays are constants in disguise under `jit`.
+    tracks_known_values: ClassVar[bool] = True
+
     def __init__(self, array: ArrayLike, unit: Unit | dict = dimensionless):
         if isinstance(unit, dict):
             unit = as_unit(unit)  # Quax's form, `{meters: 1}`
@@ -163,10 +167,26 @@ class Unitful(quaxlike.ArrayValue):
         # plain array they materialise to.
         return self.materialise() if self.unit.dimensionless else self.array
 
+    def as_cotangent(self, leaf_cotangents: Any) -> "Unitful":
+        # A loss's cotangent for a quantity in `m` is per metre: `1/m`. (A
+        # tangent keeps the unit; a cotangent inverts it, so that a backward
+        # pass's `k * ct` for `y = k * x` is in the unit `x`'s cotangent is.)
+        # `leaf_cotangents` is a Unitful of this one's structure.
+        return Unitful(leaf_cotangents.array, self.unit**-1)
+
+    def cotangent_leaves(self, cotangent: Any) -> "Unitful | None":
+        if not isinstance(cotangent, Unitful):
+            return None
+        per_unit = self.unit**-1
+        if not cotangent.unit.same_dimensions(per_unit):
+            return None
+        return Unitful(convert_array(cotangent.array, cotangent.unit, per_unit), self.unit)
+
     def holding_plain(self, array: Any) -> "Unitful | None":
         # A plain array is a dimensionless number: it holds a unit only where its
         # value is known to fit every unit (0, +-inf, NaN everywhere), such as a
-        # solver's state that starts as `jnp.zeros` and becomes a quantity.
+        # solver's state that starts as `jnp.zeros` and becomes a quantity (or,
+        # inside `plain_constants_take_units`, where its value is known).
         if isinstance(array, Unitful):
             # Only one computed from a stand-in (a unit still being worked out, in
             # a loop traced only to find units) is held: it takes this unit.
@@ -178,7 +198,7 @@ class Unitful(quaxlike.ArrayValue):
         if jnp.result_type(array) != jnp.result_type(self.array):
             return None
         plain_number = self.unit.dimensionless and self.unit == self.unit.si
-        if not (plain_number or fits_every_unit(array)):
+        if not (plain_number or takes_any_unit(array)):
             return None
         return Unitful(array, self.unit)
 
@@ -191,7 +211,7 @@ class Unitful(quaxlike.ArrayValue):
         # the unit the body gives it; the loop is then traced from
         # `holding_plain` in that unit.
         dtype = jnp.result_type(array)
-        if not jnp.issubdtype(dtype, jnp.inexact) or not fits_every_unit(array):
+        if not jnp.issubdtype(dtype, jnp.inexact) or not takes_any_unit(array):
             return None
         return Unitful(array, unresolved)
 

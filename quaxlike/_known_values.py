@@ -1,0 +1,363 @@
+"""Plain values whose numbers are known while tracing, for rules that ask.
+
+Under `jax.jit` most plain arrays are tracers, but many are constants in
+disguise: `jnp.zeros(n)` made inside a loop's body, a `jnp.inf` handed through
+a `custom_vjp`, `0.5 * dt` with a literal `dt`. A rule may need such a number
+to decide what to do (a unit type lets 0, inf and NaN stand beside any
+quantity; an exponent must be known to give `x ** y` a unit). This module
+keeps, while a type asks for it, how to compute each such value:
+
+- A table is open while a Value of a type with `Value.tracks_known_values` is
+  lifted (`opening_for`, called by `quaxify`); a nested `quaxify` uses the
+  enclosing table, so that what is known outside a body stays known in it.
+  Nothing is tracked outside one, so types that never ask pay nothing.
+- `remember(primitive, inputs, params, outputs)` is called by `QuaxTrace` for
+  every operation on plain arrays only (step 1 of `_trace.py`, which hands it
+  to the parent trace): where every input is known and the operation has no
+  effect, it records how to compute the outputs' values from the inputs'.
+- `sharing_knowledge(inner, outer)` carries what is known across a boundary
+  where JAX hands a function fresh tracers for the same values: a custom
+  derivative's function (`custom_jvp`, `custom_vjp`) gets new tracers for its
+  arguments.
+- `known_value(x)` computes the value when a rule asks, at compile time
+  (`jax.ensure_compile_time_eval`); nothing is computed otherwise, and the
+  program is unchanged.
+- `is_scale_invariant(x)`: whether `x` is 0, +-inf or NaN in every element,
+  the values that multiplying by any positive number leaves as they are (a
+  unit type lets them stand beside any quantity). Known where `x`'s value is,
+  and also where it follows from the operation alone, whatever the unknown
+  inputs: `direction * jnp.inf` is +-inf or NaN for any `direction`, and
+  `jnp.full(n, direction * jnp.inf)` a buffer of them (`_INVARIANT_IF`).
+
+The table holds each traced value weakly: an entry goes when its value does,
+so it never keeps a tracer of a finished trace (a loop body, a branch) alive,
+and its computations hold no tracer.
+"""
+
+import contextvars
+import functools as ft
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _jax_compat as jc
+
+
+# id(traced plain value) -> (a weak reference to the value, a function computing
+# its concrete value, or `None` for a value known only to be scale-invariant).
+# The reference tells whether the id is still that value's.
+_known: contextvars.ContextVar[dict[int, tuple[weakref.ref, Callable[[], Any] | None]] | None] = (
+    contextvars.ContextVar("quaxlike_known_values", default=None)
+)
+
+
+def tracking() -> bool:
+    """Whether a table of known values is open."""
+    return _known.get() is not None
+
+
+def opening_for(leaves) -> contextvars.Token | None:
+    """Open a table, where none is, when a Value among `leaves` (about to be
+    lifted) is of a type with `Value.tracks_known_values`; the token that
+    `closing` takes, or `None` where nothing was opened."""
+    if _known.get() is not None:
+        return None
+    if not any(getattr(type(x), "tracks_known_values", False) for x in leaves):
+        return None
+    return _known.set({})
+
+
+def closing(token: contextvars.Token | None) -> None:
+    """Close the table `opening_for` opened, if it did."""
+    if token is not None:
+        _known.reset(token)
+
+
+def _entry(x: Any) -> tuple[weakref.ref, Callable[[], Any] | None] | None:
+    known = _known.get()
+    entry = None if known is None else known.get(id(x))
+    if entry is None or entry[0]() is not x:
+        return None
+    return entry
+
+
+def is_known(x: Any) -> bool:
+    """Whether the plain operand `x`'s value is known while tracing.
+
+    It is when `x` is not a tracer (a Python or NumPy number, a literal, a
+    concrete array), or when it was computed from known values only while a
+    Value of a type with `Value.tracks_known_values` was lifted.
+
+    **Arguments:**
+
+    - `x`: a plain operand (an array, a tracer or a number), never a Value.
+
+    **Returns:**
+
+    `True` if `known_value(x)` would give its value.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import m, Unitful
+        from quaxlike.internal import is_known
+
+        seen = []
+
+        def f(x, c):
+            seen.append((is_known(jnp.ones(3) * 2.0), is_known(c * 2.0)))
+            return x
+
+        jax.jit(quaxlike.quaxify(f))(Unitful(jnp.ones(3), m), 2.0)
+        assert seen == [(True, False)]
+        ```
+    """
+    if not isinstance(x, jc.Tracer):
+        return True
+    entry = _entry(x)
+    return entry is not None and entry[1] is not None
+
+
+def known_value(x: Any) -> np.ndarray | None:
+    """The value of the plain operand `x` if it is known while tracing.
+
+    **Arguments:**
+
+    - `x`: a plain operand (an array, a tracer or a number), never a Value.
+
+    **Returns:**
+
+    Its value as a NumPy array, or `None` if it is not known.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import m, Unitful
+        from quaxlike.internal import known_value
+
+        seen = []
+
+        def f(x, c):
+            zeros = jnp.zeros(3)  # traced under `jax.jit`, yet a constant
+            seen.append((known_value(zeros), known_value(c)))
+            return x + zeros  # 0 fits every unit
+
+        out = jax.jit(quaxlike.quaxify(f))(Unitful(jnp.ones(3), m), 2.0)
+        assert out.unit == m and (seen[0][0] == 0).all() and seen[0][1] is None
+        ```
+    """
+    if not isinstance(x, jc.Tracer):
+        try:
+            return np.asarray(x)
+        except Exception:  # an object NumPy cannot read: unknown
+            return None
+    entry = _entry(x)
+    return None if entry is None or entry[1] is None else np.asarray(entry[1]())
+
+
+def is_scale_invariant(x: Any) -> bool:
+    """Whether the plain operand `x` is known to be 0, +-inf or NaN in every
+    element (what multiplying by a positive number leaves unchanged).
+
+    **Arguments:**
+
+    - `x`: a plain operand (an array, a tracer or a number), never a Value.
+
+    **Returns:**
+
+    `True` where its value is known and is so, or where the operations that
+    made it give such values whatever their unknown inputs; else `False`.
+
+    !!! example
+
+        ```python
+        from quaxlike.examples.unitful import m, Unitful
+        from quaxlike.internal import is_scale_invariant, known_value
+
+        seen = []
+
+        def f(x, c):
+            direction = jnp.where(c > 0, 1.0, -1.0)  # not known under `jax.jit`
+            infinities = jnp.full(3, direction * jnp.inf)
+            seen.append((known_value(infinities), is_scale_invariant(infinities)))
+            return jnp.minimum(x, infinities)  # +-inf fits every unit
+
+        out = jax.jit(quaxlike.quaxify(f))(Unitful(jnp.ones(3), m), 1.0)
+        assert out.unit == m and seen == [(None, True)]
+        ```
+    """
+    if isinstance(x, jc.Tracer) and (entry := _entry(x)) is not None and entry[1] is None:
+        return True
+    value = known_value(x)
+    if value is None or value.dtype == object:
+        return False
+    if np.issubdtype(value.dtype, np.inexact):
+        return bool(np.all((value == 0) | np.isinf(value) | np.isnan(value)))
+    return bool(np.all(value == 0))
+
+
+def _computing(x: Any) -> Callable[[], Any] | None:
+    """How to compute `x`'s value, holding no tracer; `None` if unknown."""
+    if not isinstance(x, jc.Tracer):
+        return lambda: x
+    entry = _entry(x)
+    return None if entry is None else entry[1]
+
+
+def _record(known: dict, out: Any, compute: Callable[[], Any] | None) -> None:
+    key = id(out)
+
+    def forget(ref, key=key, known=known):
+        if key in known and known[key][0] is ref:
+            del known[key]
+
+    known[key] = (weakref.ref(out, forget), compute)
+
+
+def remember(primitive, inputs, params: dict, outputs) -> None:
+    """Record how to compute the values of `outputs` (what `primitive` gave for
+    `inputs` and `params`, plain arrays only) when every input is known and the
+    operation has no effect. Does nothing unless a table is open."""
+    known = _known.get()
+    if known is None:
+        return
+    outs = outputs if primitive.multiple_results else [outputs]
+    if not any(isinstance(o, jc.Tracer) for o in outs):
+        return
+    computing = [_computing(x) for x in inputs]
+    if any(c is None for c in computing):
+        flags = _invariant_outputs(primitive, params, list(map(is_scale_invariant, inputs)), outs)
+        for out, invariant in zip(outs, flags):
+            if invariant and isinstance(out, jc.Tracer):
+                _record(known, out, None)
+        return
+    if jc.has_effects(primitive, inputs, params):
+        return
+
+    @ft.cache
+    def evaluate():
+        with jax.ensure_compile_time_eval():
+            out = primitive.bind(*[compute() for compute in computing], **params)  # pyright: ignore[reportOptionalCall]
+        return out if primitive.multiple_results else [out]
+
+    for i, out in enumerate(outs):
+        if isinstance(out, jc.Tracer):
+            _record(known, out, lambda i=i: evaluate()[i])
+
+
+# Primitives whose float output is 0, +-inf or NaN everywhere when the operands
+# at the positions given are (`None`: all of them; "any": any one of them),
+# whatever the others: `c * (x * z) == (c * x) * z == x * z` for `c > 0`, and
+# likewise for the rest. Exact in IEEE arithmetic (0 * inf is NaN, which is
+# scale-invariant too).
+_INVARIANT_IF: dict[str, Any] = {
+    **dict.fromkeys(("mul", "div"), "any"),
+    **dict.fromkeys(("add", "sub", "max", "min", "concatenate", "add_any", "pad"), None),
+    **dict.fromkeys(
+        (
+            "neg",
+            "abs",
+            "broadcast_in_dim",
+            "reshape",
+            "squeeze",
+            "expand_dims",
+            "transpose",
+            "rev",
+            "copy",
+            "copy_p",
+            "convert_element_type",
+            "slice",
+            "dynamic_slice",
+            "gather",
+            "reduce_sum",
+            "reduce_max",
+            "reduce_min",
+            "stop_gradient",
+            "optimization_barrier",
+        ),
+        (0,),
+    ),
+    "select_n": "cases",
+}
+
+
+# Calls whose outputs are found scale-invariant by following their bodies.
+_CALLS = frozenset({"jit", "pjit", "closed_call"})
+
+
+def _invariant_outputs(primitive, params: dict, invariant: list[bool], outs) -> list[bool]:
+    """For each output of `primitive` on inputs of which those marked in
+    `invariant` are scale-invariant: whether it is so by the operations alone
+    (`_INVARIANT_IF`, and through the body of a `jit`)."""
+    if not all(_is_float(o) for o in outs):
+        return [False] * len(outs)
+    if primitive.name in _CALLS and "jaxpr" in params:
+        return _invariant_in_body(params["jaxpr"], invariant)
+    how = _INVARIANT_IF.get(primitive.name, False)
+    if how is False:
+        result = False
+    elif how == "any":
+        result = any(invariant)
+    elif how is None:
+        result = all(invariant)
+    elif how == "cases":
+        result = all(invariant[1:])
+    else:
+        result = all(invariant[i] for i in how)
+    return [result] * len(outs)
+
+
+def _invariant_in_body(closed_jaxpr, invariant: list[bool]) -> list[bool]:
+    jaxpr = getattr(closed_jaxpr, "jaxpr", closed_jaxpr)
+    consts = getattr(closed_jaxpr, "consts", ())
+    flags: dict = dict(zip(jaxpr.constvars, map(is_scale_invariant, consts)))
+    flags.update(zip(jaxpr.invars, invariant))
+
+    def flag(v) -> bool:
+        return is_scale_invariant(v.val) if isinstance(v, jc.Literal) else flags.get(v, False)
+
+    for eqn in jaxpr.eqns:
+        outs = [v.aval for v in eqn.outvars]
+        found = _invariant_outputs(eqn.primitive, eqn.params, list(map(flag, eqn.invars)), outs)
+        flags.update(zip(eqn.outvars, found))
+    return list(map(flag, jaxpr.outvars))
+
+
+def _is_float(x) -> bool:
+    aval = x if isinstance(x, jc.AbstractValue) else jax.typeof(x)
+    return np.issubdtype(getattr(aval, "dtype", np.int32), np.inexact)
+
+
+# In what `knowledge_of` gives: nothing is known of that value.
+_UNKNOWN = object()
+
+
+def knowledge_of(values) -> list | None:
+    """What is known of each of `values` (how to compute it, that it is
+    scale-invariant, or nothing), holding no tracer; `None` when no table is
+    open. Taken before a boundary where JAX hands a function fresh tracers for
+    `values` (see `sharing_knowledge`)."""
+    if _known.get() is None:
+        return None
+    knowledge = []
+    for x in values:
+        if not isinstance(x, jc.Tracer):
+            knowledge.append(lambda x=x: x)
+        else:
+            entry = _entry(x)
+            knowledge.append(_UNKNOWN if entry is None else entry[1])
+    return knowledge
+
+
+def sharing_knowledge(inner, knowledge) -> None:
+    """Make each of `inner` (fresh tracers for the values `knowledge_of` was
+    taken from, position by position) known where its outer value was."""
+    known = _known.get()
+    if known is None or knowledge is None:
+        return
+    for x, what in zip(inner, knowledge):
+        if what is not _UNKNOWN and isinstance(x, jc.Tracer):
+            _record(known, x, what)
