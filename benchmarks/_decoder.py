@@ -179,6 +179,9 @@ class Decoder(eqx.Module):
     # every weight; each block's weights are gathered (as stored: packed codes)
     # inside the layer loop, and its input kept split by batch.
     layer_mesh: Any = eqx.field(static=True, default=None)
+    # Layers per checkpoint of the residual stream (see `checkpointed_layers`): 1
+    # saves every block's input for the backward pass, `k > 1` only every k-th.
+    layers_per_checkpoint: int = eqx.field(static=True, default=1)
 
     def __init__(
         self,
@@ -189,6 +192,7 @@ class Decoder(eqx.Module):
         loss_chunk: int = 0,
         mlp_chunk: int = 0,
         layer_mesh: Any = None,
+        layers_per_checkpoint: int = 1,
     ):
         k_embed, k_blocks, k_head = jr.split(key, 3)
         self.embedding = jr.normal(k_embed, (shape.vocab, shape.dim), jnp.bfloat16)
@@ -201,6 +205,7 @@ class Decoder(eqx.Module):
         self.attention_chunk, self.loss_chunk = attention_chunk, loss_chunk
         self.mlp_chunk = mlp_chunk
         self.layer_mesh = layer_mesh
+        self.layers_per_checkpoint = layers_per_checkpoint
 
     def hidden(self, tokens):
         """The final hidden states `(seq, dim)` of `tokens: (seq,)`."""
@@ -212,18 +217,15 @@ class Decoder(eqx.Module):
         cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
 
-        @jax.checkpoint
         def block(x, leaves):
             if self.layer_mesh is not None:
                 leaves = gathered(leaves, self.layer_mesh)
                 # Under `jax.vmap(..., spmd_axis_name=...)`: split by batch only.
                 whole = NamedSharding(self.layer_mesh, PartitionSpec())
                 x = lax.with_sharding_constraint(x, whole)
-            return eqx.combine(leaves, static)(
-                x, cos, sin, self.attention_chunk, self.mlp_chunk
-            ), None
+            return eqx.combine(leaves, static)(x, cos, sin, self.attention_chunk, self.mlp_chunk)
 
-        x, _ = lax.scan(block, x, dynamic)
+        x = checkpointed_layers(block, x, dynamic, self.layers_per_checkpoint)
         return rms_norm(x, self.norm)
 
     def loss(self, tokens, targets):
@@ -246,6 +248,66 @@ class Decoder(eqx.Module):
         chunks = (hidden.reshape(seq // chunk, chunk, -1), targets.reshape(seq // chunk, chunk))
         total, _ = lax.scan(step, jnp.float32(0), chunks)
         return total / seq
+
+
+def checkpointed_layers(block, x, stacked, layers_per_checkpoint: int = 1):
+    """`x` through every layer of `stacked` in turn, `block(x, layer)` each, under
+    `jax.checkpoint`: the backward pass recomputes what a layer computed from the
+    residual stream saved at its input.
+
+    With `layers_per_checkpoint = 1`, one `lax.scan` over checkpointed blocks: the
+    stream is saved at every layer's input, `layers` of them. With `k > 1`, two
+    levels: a scan over groups of `k` layers, each group under `jax.checkpoint`
+    (only its input saved), around a scan over the group's layers, each under
+    `jax.checkpoint` as before. The backward pass of a group first runs the group
+    forward again, keeping its `k` layer inputs, then goes back through it layer
+    by layer: `layers // k + k` residuals kept at once, at the cost of one more
+    forward pass of every layer in a group. What `layers // k` groups leave over
+    (`layers % k` layers) is scanned one layer at a time after them. The inner
+    loop takes each layer out of the whole stack by its index, so that one
+    layer's weights at a time are sliced (and gathered, in `block`), as in the
+    one-level scan.
+
+    **Arguments:**
+
+    - `block`: `(x, layer) -> x`, one layer.
+    - `x`: the residual stream at the first layer.
+    - `stacked`: the layers' arrays and Values, each with a leading axis of
+      `layers`.
+    - `layers_per_checkpoint`: `k`, layers per saved residual (1: every layer; at
+      most `layers`, one group of them all).
+
+    **Returns:**
+
+    The residual stream after the last layer.
+    """
+    layers = jax.tree_util.tree_leaves(stacked)[0].shape[0]
+    k = min(layers_per_checkpoint, layers)
+    if k <= 1:
+        return lax.scan(jax.checkpoint(lambda x, layer: (block(x, layer), None)), x, stacked)[0]
+
+    @jax.checkpoint
+    def layer(x, index):
+        # The layer taken out of the whole stack by its index, inside the inner
+        # loop. Scanning over the leaves split as `(groups, k, ...)` instead
+        # makes XLA copy each group's slice for the inner loop (at 70B on two
+        # devices, 1.6 GiB of codes live at the peak). Inside `quaxify` a Value
+        # is indexed by its `dynamic_slice` rule (a double-quantised NF4
+        # weight's second-level scales then come one per row, a few KiB).
+        one = jax.tree_util.tree_map(
+            lambda leaf: lax.dynamic_index_in_dim(leaf, index, keepdims=False), stacked
+        )
+        return block(x, one), None
+
+    @jax.checkpoint
+    def group(x, first):
+        return lax.scan(layer, x, first + jnp.arange(k))[0], None
+
+    groups = layers // k
+    x = lax.scan(group, x, k * jnp.arange(groups))[0]
+    if layers % k:
+        x = lax.scan(layer, x, jnp.arange(groups * k, layers))[0]
+    return x
 
 
 def _is_linear(x) -> bool:

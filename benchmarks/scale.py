@@ -6,7 +6,10 @@ time of quaxlike's LoRA against the same LoRA written by hand in plain JAX.
 The model is an Equinox decoder: a token embedding; `layers` decoder blocks
 stacked (every leaf with a leading layer axis, built with `eqx.filter_vmap`) and
 run with `lax.scan` over a `jax.checkpoint`ed block (the backward pass recomputes
-each block from its input, the only thing the scan saves per layer); each block
+each block from its input, the only thing the scan saves per layer; with
+`--layers-per-checkpoint k`, the default at 70B, a scan over checkpointed groups
+of k layers around it, which saves the input of every k-th layer only and runs
+each group forward once more in the backward pass); each block
 an RMS norm, grouped-query attention with rotary position embeddings (`heads`
 query heads sharing `kv_heads` key/value heads), an RMS norm and a SwiGLU
 feed-forward layer; a final RMS norm and an output head. Every projection is an
@@ -63,8 +66,6 @@ Run: `python benchmarks/scale.py [--quick] [--models 8b 1b] [--dump DIR] [--exec
 from __future__ import annotations
 
 import dataclasses
-import functools
-import glob
 import inspect
 import math
 import os
@@ -82,6 +83,8 @@ import jax.numpy as jnp
 import jax.random as jr
 import optax
 from _decoder import Decoder, hand_lora, hand_trainable, Shape, SHAPES
+from _execute import execute
+from _live_buffers import dump_options, print_live_at_peak
 from _sharded import describe, measure_sharded, sharded_loss, weight_shapes
 
 import quaxlike
@@ -214,68 +217,6 @@ def tracer(shape: Shape, name: str, optimiser, memory: dict | None = None):
     return trace, state
 
 
-def random_like(tree, key):
-    """`tree` with every `jax.ShapeDtypeStruct` replaced by an array of its shape and
-    dtype on the default device, each drawn without a wider temporary: floats
-    normal with scale 0.02, in their own dtype; integers from random bits of their
-    own width (codes of every value; optimiser step counts too, which only scale
-    the update). Other leaves are kept.
-
-    **Arguments:**
-    - `tree`: a pytree of `jax.ShapeDtypeStruct`s (from `eqx.filter_eval_shape`).
-    - `key`: a PRNG key.
-
-    **Returns:** the same structure, holding arrays.
-    """
-
-    @functools.partial(jax.jit, static_argnums=(1, 2))
-    def draw(key, shape, dtype):
-        if jnp.issubdtype(dtype, jnp.floating):
-            return (0.02 * jr.normal(key, shape, dtype)).astype(dtype)
-        width = jnp.dtype(dtype).itemsize * 8
-        bits = jr.bits(key, shape, dtype=jnp.dtype(f"uint{width}"))
-        return jax.lax.bitcast_convert_type(bits, dtype)
-
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    filled = [
-        draw(jr.fold_in(key, i), tuple(leaf.shape), leaf.dtype)
-        if isinstance(leaf, jax.ShapeDtypeStruct)
-        else leaf
-        for i, leaf in enumerate(leaves)
-    ]
-    return jax.tree_util.tree_unflatten(treedef, filled)
-
-
-def execute(compiled, state, shape: Shape, repeats: int = 3) -> tuple[float, int | None]:
-    """Runs the compiled step on random arrays of `state`'s shapes: one warm-up
-    step, then `repeats` timed steps, each fed the previous one's donated outputs.
-
-    **Arguments:**
-    - `compiled`: the compiled step, `(trainable, opt_state, frozen, tokens,
-      targets) -> (trainable, opt_state, loss)`.
-    - `state`: `(trainable, opt_state, frozen)` as `jax.ShapeDtypeStruct`s.
-    - `shape`: the model's shape (vocabulary and sequence length of the tokens).
-    - `repeats`: timed steps.
-
-    **Returns:** `(median seconds per step, peak bytes)`: the device allocator's
-    peak bytes in use over the whole process (`memory_stats()`, `None` where the
-    backend keeps none), which counts the random arguments and the step.
-    """
-    trainable, opt_state, frozen = random_like(state, jr.key(7))
-    tokens = jr.randint(jr.key(8), (1, shape.seq), 0, shape.vocab, jnp.int32)
-    targets = jnp.roll(tokens, -1, axis=1)
-    trainable, opt_state, loss = compiled(trainable, opt_state, frozen, tokens, targets)
-    jax.block_until_ready(loss)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        trainable, opt_state, loss = compiled(trainable, opt_state, frozen, tokens, targets)
-        jax.block_until_ready((trainable, opt_state, loss))
-        times.append(time.perf_counter() - start)
-    stats = jax.devices()[0].memory_stats() or {}
-    return sorted(times)[len(times) // 2], stats.get("peak_bytes_in_use")
-
-
 def measure(
     shape: Shape,
     name: str,
@@ -292,7 +233,7 @@ def measure(
     start = time.perf_counter()
     options = dict(compiler_options or {})
     if dump:
-        options.update(xla_dump_to=dump, xla_dump_hlo_as_text=True)
+        options.update(dump_options(dump))
     compiled = traced.lower().compile(compiler_options=options or None)
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
@@ -311,42 +252,6 @@ def measure(
     )
 
 
-# --- XLA's buffer assignment -------------------------------------------------------
-
-_LIVE = re.compile(r"^\s+(\S+?)\{[\d,]*\}: (\d+) bytes")
-_DEFINITION = re.compile(r"^\s+%(\S+) = (\S+\[[\d,]*\])")
-
-
-def live_at_peak(directory: str, count: int = 24) -> list[tuple[int, str]]:
-    """The `count` largest buffers live at the peak of the newest program XLA dumped
-    to `directory` (its `*live-range.txt`, `Live ranges at ... (peak)`): `(bytes,
-    "name shape")`, arguments included."""
-    files = sorted(glob.glob(os.path.join(directory, "*live-range.txt")), key=os.path.getmtime)
-    if not files:
-        return []
-    live: list[tuple[int, str]] = []
-    with open(files[-1]) as f:
-        at_peak = False
-        for line in f:
-            if "(peak):" in line:
-                at_peak = True
-            elif at_peak:
-                match = _LIVE.match(line)
-                if not match:
-                    break
-                live.append((int(match.group(2)), match.group(1)))
-    shapes = {}
-    program = files[-1].replace("-live-range.txt", ".txt")
-    if os.path.exists(program):
-        with open(program) as f:
-            for line in f:
-                match = _DEFINITION.match(line)
-                if match:
-                    shapes.setdefault(match.group(1), match.group(2))
-    live.sort(key=lambda x: -x[0])
-    return [(size, f"{name} {shapes.get(name, '')}".strip()) for size, name in live[:count]]
-
-
 # --- main --------------------------------------------------------------------------
 
 # The row measured on the model as first written (every position at once), to show
@@ -357,6 +262,28 @@ WHOLE = "QLoRA 4 bits, unchunked model"
 # Positions per chunk of attention (queries), feed-forward and cross-entropy,
 # unless the command line says otherwise.
 DEFAULT_CHUNKS = dict(attention_chunk=256, mlp_chunk=512, loss_chunk=256)
+
+
+# Layers per saved residual (`Decoder.layers_per_checkpoint`), unless the command
+# line says otherwise: at 70B, groups of 10 of the 80 layers (with 8, the least
+# peak of k = 4 to 20 measured in benchmarks/README.md, 2026-11-28); every layer
+# elsewhere.
+DEFAULT_LAYERS_PER_CHECKPOINT = {"70B": 10}
+
+
+def memory_options(shape: Shape, args=None) -> dict[str, int]:
+    """The `Decoder` options that trade compute for memory: `chunks_for`'s chunk
+    sizes and `layers_per_checkpoint` (the command line's, or the shape's
+    default)."""
+    k = getattr(args, "layers_per_checkpoint", None)
+    if k is None:
+        k = DEFAULT_LAYERS_PER_CHECKPOINT.get(shape.name, 1)
+    return {**chunks_for(shape, args), "layers_per_checkpoint": k}
+
+
+def _memory_title(memory: dict[str, int]) -> str:
+    chunks = ", ".join(f"{k.removesuffix('_chunk')} {v}" for k, v in memory.items() if "chunk" in k)
+    return f"chunks: {chunks}; residual saved every {memory['layers_per_checkpoint']} layers"
 
 
 def chunks_for(shape: Shape, args=None) -> dict[str, int]:
@@ -443,7 +370,18 @@ def main(argv=None):
     for name, what in (("attention", "queries"), ("mlp", "positions"), ("loss", "positions")):
         default = DEFAULT_CHUNKS[f"{name}_chunk"]
         parser.add_argument(f"--{name}-chunk", type=int, default=default, help=f"{what} per step")
-    parser.add_argument("--dump", help="a folder for XLA's dump of --dump-row's program")
+    parser.add_argument(
+        "--layers-per-checkpoint",
+        type=int,
+        help="layers per residual saved for the backward pass: 1 saves every layer's input; "
+        "k > 1 checkpoints groups of k layers around the per-layer checkpoints (default: "
+        f"{DEFAULT_LAYERS_PER_CHECKPOINT}, else 1)",
+    )
+    parser.add_argument(
+        "--dump",
+        help="a folder for XLA's dump of --dump-row's program (and of each sharded step's, "
+        "in a folder of its own)",
+    )
     parser.add_argument("--dump-row", default="QLoRA 4 bits", choices=rows)
     parser.add_argument(
         "--no-check",
@@ -497,7 +435,7 @@ def main(argv=None):
         if args.sharded_only:
             continue
         dense = n_params(eqx.filter_eval_shape(Decoder, shape, jr.key(0)))
-        memory = chunks_for(shape, args)
+        memory = memory_options(shape, args)
         results: dict[str, Result | None] = {}
         for name in names:
             if name == NF4 and not nf4:
@@ -517,11 +455,10 @@ def main(argv=None):
             )
             results[LORA].trace_s = paired.quax_median
             results[BASELINE].trace_s = paired.plain_median
-        chunks = ", ".join(f"{k.removesuffix('_chunk')} {v}" for k, v in memory.items())
         table = h.Table(
             f"Fine-tuning step at scale, {shape.name} "
             f"(d={shape.dim}, {shape.layers} layers, {_count(dense)} params, seq {shape.seq}; "
-            f"chunks: {chunks})",
+            f"{_memory_title(memory)})",
             [
                 "step",
                 "trainable",
@@ -577,12 +514,7 @@ def main(argv=None):
             )
         table.print(notes)
         if args.dump:
-            print(
-                f"Largest buffers live at the peak of {args.dump_row} ({shape.name}), from {args.dump}:"
-            )
-            for size, name in live_at_peak(args.dump):
-                print(f"- {h.fmt_bytes(size)}: {name}")
-            print()
+            print_live_at_peak(f"{args.dump_row} ({shape.name})", args.dump, h.fmt_bytes)
 
 
 def sharded_quick_subprocess() -> None:
@@ -606,7 +538,8 @@ def sharded_tables(shape: Shape, args, optimiser, nf4: bool) -> None:
     each collective per step."""
     table = h.Table(
         f"Sharded fine-tuning step, {shape.name} (d={shape.dim}, {shape.layers} layers, "
-        f"seq {shape.seq}; FSDP over N fake CPU devices)",
+        f"seq {shape.seq}; FSDP over N fake CPU devices; "
+        f"{_memory_title(memory_options(shape, args))})",
         [
             "step",
             "plan",
@@ -623,6 +556,7 @@ def sharded_tables(shape: Shape, args, optimiser, nf4: bool) -> None:
     )
     available = jax.device_count()
     weights = weight_shapes(shape)
+    dumps = []
     for name in args.sharded_rows:
         if name == NF4 and not nf4:
             continue
@@ -631,16 +565,20 @@ def sharded_tables(shape: Shape, args, optimiser, nf4: bool) -> None:
                 table.add(name, "-", str(n), "-", f"only {available} devices", *["-"] * 6)
                 continue
             for plan, batch in [(p, b) for p in args.plans for b in args.batch]:
-                memory = dict(chunks_for(shape, args))
+                memory = memory_options(shape, args)
                 if n > 1 and plan == "fsdp":
                     memory["layer_mesh"] = _sharded_mesh(n)
                 build, _ = VARIANTS[name]
                 state, _ = abstract_state(shape, build, optimiser, memory)
                 loss = sharded_loss(lambda m, t, y: m.loss(t, y))
+                row = f"{name}, {plan}, N = {n}, batch {batch}"
+                dump = _row_folder(args.dump, row) if args.dump else None
                 r = measure_sharded(
                     shape, state, loss, optimiser, h.training_step, n, batch, weights,
+                    compiler_options=dump_options(dump) if dump else None,
                     peak_bytes=h.peak_bytes,
                 )  # fmt: skip
+                dumps += [(row, dump)] if dump else []
                 d = describe(r)
                 table.add(
                     name,
@@ -665,6 +603,12 @@ def sharded_tables(shape: Shape, args, optimiser, nf4: bool) -> None:
             "projection's (out, in), which must be 0 (only packed codes and scales move)",
         ]
     )
+    for row, dump in dumps:
+        print_live_at_peak(f"{row} ({shape.name})", dump, h.fmt_bytes)
+
+
+def _row_folder(parent: str, row: str) -> str:
+    return os.path.join(parent, re.sub(r"[^A-Za-z0-9]+", "-", row).strip("-"))
 
 
 def _sharded_mesh(n: int):
