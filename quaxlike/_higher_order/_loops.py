@@ -62,6 +62,11 @@ def _run_with_carry_fallback(primitive, init, run, operands):
     find their types; else that error is raised.
     """
     plan = _CarryPlan()
+    # A plain carry that a Value of the loop could hold as a Value of its own
+    # (a zero state beside a banded matrix) is tried as that Value first: the
+    # body may otherwise materialise the Value, where it may, before anything
+    # is refused. Kept only where the body returns it as that type.
+    plan.joins.update(_joins_found_by_stand_ins(run, plan, init, operands, held_only=True)[0])
     for _ in range(3 * len(init) + 2):
         record: dict = {}
         try:
@@ -132,12 +137,15 @@ def _catching(record: dict, body, rejected):
     return traced
 
 
-def _joins_found_by_stand_ins(run, plan: _CarryPlan, init, operands) -> tuple[dict, Any]:
+def _joins_found_by_stand_ins(
+    run, plan: _CarryPlan, init, operands, held_only: bool = False
+) -> tuple[dict, Any]:
     """Trace the loop once with each plain carry replaced by the stand-in that a
     Value among `operands` offers for it, and return, for each carry the body
     gave a Value of another structure, the join to plan (`_CarryPlan.joins`),
     and the error of ours the body raised with the stand-ins, if it did. The
-    trace's results are dropped."""
+    trace's results are dropped. With `held_only`, only stand-ins that hold the
+    carry as it is (not `standing_in()`) are offered."""
     stand_ins: dict[int, Value] = {}
     offering = {type(v): v for v in operands if isinstance(v, Value)}.values()
     for i, x in enumerate(init):
@@ -145,7 +153,7 @@ def _joins_found_by_stand_ins(run, plan: _CarryPlan, init, operands) -> tuple[di
             continue
         offers = (value.stand_in_for_plain(x) for value in offering)
         stand_in = next((offer for offer in offers if offer is not None), None)
-        if stand_in is not None:
+        if stand_in is not None and not (held_only and stand_in.standing_in()):
             stand_ins[i] = stand_in
     if not stand_ins:
         return {}, None

@@ -94,7 +94,7 @@ def holding_known_zeros(value: Value, array: Any) -> Value | None:
         assert quaxlike.internal.holding_known_zeros(t, jnp.ones((3, 3))) is None
         ```
     """
-    aval = checked_aval(value)
+    aval = cast(jc.ShapedArray, checked_aval(value))
     if jax.typeof(array).shape != aval.shape or jax.typeof(array).dtype != aval.dtype:
         return None
     known = known_value(array)

@@ -75,6 +75,12 @@ class StructuredMatrix(quaxlike.ArrayValue):
     def holding_plain(self, array: Any) -> "StructuredMatrix | None":
         return quaxlike.internal.holding_known_zeros(self, array)
 
+    def stand_in_for_plain(self, array: Any) -> "StructuredMatrix | None":
+        # A loop state of zeros in this matrix's place (a `cond` in the body
+        # choosing between them) is tried as the zero matrix first, so that the
+        # body keeps the bands rather than materialising them.
+        return self.holding_plain(array)
+
     @property
     @abc.abstractmethod
     def n(self) -> int:
