@@ -229,10 +229,13 @@ def remember(primitive, inputs, params: dict, outputs) -> None:
         return
     computing = [_computing(x) for x in inputs]
     if any(c is None for c in computing):
-        flags = _invariant_outputs(primitive, params, list(map(is_scale_invariant, inputs)), outs)
-        for out, invariant in zip(outs, flags):
-            if invariant and isinstance(out, jc.Tracer):
-                _record(known, out, None)
+        # Only where the operation can say so: asking each input computes the
+        # known ones' values.
+        if primitive.name in _INVARIANT_IF or primitive.name in _CALLS:
+            invariant = list(map(is_scale_invariant, inputs))
+            for out, flag in zip(outs, _invariant_outputs(primitive, params, invariant, outs)):
+                if flag and isinstance(out, jc.Tracer):
+                    _record(known, out, None)
         return
     if jc.has_effects(primitive, inputs, params):
         return
