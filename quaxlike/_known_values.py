@@ -242,8 +242,16 @@ def remember(primitive, inputs, params: dict, outputs) -> None:
 
     @ft.cache
     def evaluate():
+        values = [compute() for compute in computing]  # pyright: ignore[reportOptionalCall]
+        # At once, whatever trace is current where a rule asks (inside a
+        # trace's hook there is none from jax 0.11).
+        eager = jc.eager_trace()
         with jax.ensure_compile_time_eval():
-            out = primitive.bind(*[compute() for compute in computing], **params)  # pyright: ignore[reportOptionalCall]
+            if eager is None:
+                out = primitive.bind(*values, **params)
+            else:
+                with jc.set_current_trace(eager):
+                    out = primitive.bind(*values, **params)
         return out if primitive.multiple_results else [out]
 
     for i, out in enumerate(outs):

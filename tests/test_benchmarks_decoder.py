@@ -82,7 +82,9 @@ def test_grouped_checkpoints_same_loss_and_gradients(build, quaxified, groups):
 def test_grouped_checkpoints_save_fewer_residuals():
     """The backward pass of checkpoints every 4 of 16 layers keeps 4 group inputs
     and a group's 4 layer inputs at once, not 16: the step's temporaries
-    shrink by at least the 8 residuals not kept."""
+    shrink. By how much is XLA's schedule: 8 residuals or more on jax 0.10.2's
+    XLA:CPU (which widens them to float32), 4.7 bfloat16 residuals on 0.12's;
+    at least 4 on every release tested."""
     shape = dataclasses.replace(SHAPES["tiny"], layers=16, dim=256, seq=256, vocab=64)
 
     def temporaries(k):
@@ -96,4 +98,4 @@ def test_grouped_checkpoints_save_fewer_residuals():
         return compiled.memory_analysis().temp_size_in_bytes
 
     residual = shape.seq * shape.dim * 2  # one layer's input, bfloat16
-    assert temporaries(1) - temporaries(4) >= (16 - 8) * residual
+    assert temporaries(1) - temporaries(4) >= 4 * residual

@@ -91,6 +91,7 @@ from ._trace_api import (
     current_name_stack as current_name_stack,
     current_trace as current_trace,
     current_trace_reader as current_trace_reader,
+    eager_trace as eager_trace,
     eval_jaxpr as eval_jaxpr,
     init_tracer as init_tracer,
     is_eager as is_eager,

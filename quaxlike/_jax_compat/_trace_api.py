@@ -123,6 +123,19 @@ def is_eager(trace) -> bool:
     return _EvalTrace is not None and isinstance(trace, _EvalTrace)
 
 
+def eager_trace():
+    """JAX's trace that executes operations at once, to bind under wherever the
+    current trace is (inside a trace's `process_*` hook, none from jax 0.11);
+    `None` where this JAX has none (then compute under the current trace)."""
+    found = getattr(_core, "eval_trace", None)
+    if _EvalTrace is not None and isinstance(found, _EvalTrace):
+        return found
+    try:
+        return _EvalTrace() if _EvalTrace is not None else None
+    except Exception:
+        return None
+
+
 _aval_mappings = _first((_core, "pytype_aval_mappings"))
 
 
