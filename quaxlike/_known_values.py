@@ -13,8 +13,11 @@ keeps, while a type asks for it, how to compute each such value:
   Nothing is tracked outside one, so types that never ask pay nothing.
 - `remember(primitive, inputs, params, outputs)` is called by `QuaxTrace` for
   every operation on plain arrays only (step 1 of `_trace.py`, which hands it
-  to the parent trace): where every input is known and the operation has no
-  effect, it records how to compute the outputs' values from the inputs'.
+  to the parent trace): where every input is known, it records how to compute
+  the outputs' values from the inputs' (`_Computed`; nothing, if the operation
+  turns out to have an effect); where some are not, how to tell whether the
+  outputs are scale-invariant (`_MaybeInvariant`). Nothing is computed or
+  checked until a rule asks, so an operation costs a lookup per input.
 - `sharing_knowledge(inner, outer)` carries what is known across a boundary
   where JAX hands a function fresh tracers for the same values: a custom
   derivative's function (`custom_jvp`, `custom_vjp`) gets new tracers for its
@@ -38,7 +41,7 @@ import contextvars
 import functools as ft
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -46,10 +49,31 @@ import numpy as np
 from . import _jax_compat as jc
 
 
-# id(traced plain value) -> (a weak reference to the value, a function computing
-# its concrete value, or `None` for a value known only to be scale-invariant).
+class _Computed:
+    """A value known while tracing: how to compute it (`None` if it turns out to
+    have an effect), holding no tracer."""
+
+    __slots__ = ("compute",)
+
+    def __init__(self, compute: Callable[[], Any]):
+        self.compute = compute
+
+
+class _MaybeInvariant:
+    """A value not known, which the operations that made it may show to be 0,
+    inf or NaN everywhere: `decide()` works it out when a rule asks."""
+
+    __slots__ = ("decide",)
+
+    def __init__(self, decide: Callable[[], bool]):
+        self.decide = decide
+
+
+_Knowledge = _Computed | _MaybeInvariant
+
+# id(traced plain value) -> (a weak reference to the value, what is known of it).
 # The reference tells whether the id is still that value's.
-_known: contextvars.ContextVar[dict[int, tuple[weakref.ref, Callable[[], Any] | None]] | None] = (
+_known: contextvars.ContextVar[dict[int, tuple[weakref.ref, _Knowledge]] | None] = (
     contextvars.ContextVar("quaxlike_known_values", default=None)
 )
 
@@ -76,7 +100,7 @@ def closing(token: contextvars.Token | None) -> None:
         _known.reset(token)
 
 
-def _entry(x: Any) -> tuple[weakref.ref, Callable[[], Any] | None] | None:
+def _entry(x: Any) -> tuple[weakref.ref, _Knowledge] | None:
     known = _known.get()
     entry = None if known is None else known.get(id(x))
     if entry is None or entry[0]() is not x:
@@ -97,7 +121,8 @@ def is_known(x: Any) -> bool:
 
     **Returns:**
 
-    `True` if `known_value(x)` would give its value.
+    `True` if `known_value(x)` would give its value (unless computing it turns
+    out to have an effect, such as a callback: then it gives `None`).
 
     !!! example
 
@@ -118,7 +143,7 @@ def is_known(x: Any) -> bool:
     if not isinstance(x, jc.Tracer):
         return True
     entry = _entry(x)
-    return entry is not None and entry[1] is not None
+    return entry is not None and isinstance(entry[1], _Computed)
 
 
 def known_value(x: Any) -> np.ndarray | None:
@@ -155,7 +180,10 @@ def known_value(x: Any) -> np.ndarray | None:
         except Exception:  # an object NumPy cannot read: unknown
             return None
     entry = _entry(x)
-    return None if entry is None or entry[1] is None else np.asarray(entry[1]())
+    if entry is None or not isinstance(entry[1], _Computed):
+        return None
+    value = entry[1].compute()
+    return None if value is None else np.asarray(value)
 
 
 def is_scale_invariant(x: Any) -> bool:
@@ -189,9 +217,13 @@ def is_scale_invariant(x: Any) -> bool:
         assert out.unit == m and seen == [(None, True)]
         ```
     """
-    if isinstance(x, jc.Tracer) and (entry := _entry(x)) is not None and entry[1] is None:
-        return True
-    value = known_value(x)
+    if isinstance(x, jc.Tracer) and (entry := _entry(x)) is not None:
+        if isinstance(entry[1], _MaybeInvariant):
+            return entry[1].decide()
+    return _invariant_value(known_value(x))
+
+
+def _invariant_value(value: np.ndarray | None) -> bool:
     if value is None or value.dtype == object:
         return False
     if np.issubdtype(value.dtype, np.inexact):
@@ -199,64 +231,89 @@ def is_scale_invariant(x: Any) -> bool:
     return bool(np.all(value == 0))
 
 
-def _computing(x: Any) -> Callable[[], Any] | None:
-    """How to compute `x`'s value, holding no tracer; `None` if unknown."""
+def _knowledge(x: Any) -> _Knowledge | None:
+    """What is known of `x`, holding no tracer; `None` if nothing."""
     if not isinstance(x, jc.Tracer):
-        return lambda: x
+        return _Computed(lambda: x)
     entry = _entry(x)
     return None if entry is None else entry[1]
 
 
-def _record(known: dict, out: Any, compute: Callable[[], Any] | None) -> None:
+def _invariant_of(knowledge: _Knowledge | None) -> bool:
+    if knowledge is None:
+        return False
+    if isinstance(knowledge, _MaybeInvariant):
+        return knowledge.decide()
+    value = knowledge.compute()
+    return _invariant_value(None if value is None else np.asarray(value))
+
+
+def _record(known: dict, out: Any, knowledge: _Knowledge) -> None:
     key = id(out)
 
     def forget(ref, key=key, known=known):
         if key in known and known[key][0] is ref:
             del known[key]
 
-    known[key] = (weakref.ref(out, forget), compute)
+    known[key] = (weakref.ref(out, forget), knowledge)
 
 
 def remember(primitive, inputs, params: dict, outputs) -> None:
-    """Record how to compute the values of `outputs` (what `primitive` gave for
-    `inputs` and `params`, plain arrays only) when every input is known and the
-    operation has no effect. Does nothing unless a table is open."""
+    """Note what is known of `outputs` (what `primitive` gave for `inputs` and
+    `params`, plain arrays only): how to compute them when every input is known
+    (unless the operation has an effect), or how to work out whether they are
+    scale-invariant. Nothing is computed or checked until a rule asks, so an
+    operation costs a lookup per input. Does nothing unless a table is open."""
     known = _known.get()
     if known is None:
         return
     outs = outputs if primitive.multiple_results else [outputs]
     if not any(isinstance(o, jc.Tracer) for o in outs):
         return
-    computing = [_computing(x) for x in inputs]
-    if any(c is None for c in computing):
-        # Only where the operation can say so: asking each input computes the
-        # known ones' values.
-        if primitive.name in _INVARIANT_IF or primitive.name in _CALLS:
-            invariant = list(map(is_scale_invariant, inputs))
-            for out, flag in zip(outs, _invariant_outputs(primitive, params, invariant, outs)):
-                if flag and isinstance(out, jc.Tracer):
-                    _record(known, out, None)
+    knowledge = [_knowledge(x) for x in inputs]
+    if all(isinstance(k, _Computed) for k in knowledge):
+        computing = [cast(_Computed, k).compute for k in knowledge]
+
+        @ft.cache
+        def evaluate() -> list | None:
+            values = [compute() for compute in computing]
+            if any(v is None for v in values) or jc.has_effects(primitive, values, params):
+                return None
+            # At once, whatever trace is current where a rule asks (inside a
+            # trace's hook there is none from jax 0.11).
+            eager = jc.eager_trace()
+            with jax.ensure_compile_time_eval():
+                if eager is None:
+                    out = primitive.bind(*values, **params)
+                else:
+                    with jc.set_current_trace(eager):
+                        out = primitive.bind(*values, **params)
+            return out if primitive.multiple_results else [out]
+
+        for i, out in enumerate(outs):
+            if isinstance(out, jc.Tracer):
+                _record(known, out, _Computed(lambda i=i: _nth(evaluate(), i)))
         return
-    if jc.has_effects(primitive, inputs, params):
+    # Some input unknown: only an operation that can show its outputs to be
+    # scale-invariant whatever they are, with something known of an input.
+    if primitive.name not in _INVARIANT_IF and primitive.name not in _CALLS:
         return
+    if all(k is None for k in knowledge):
+        return
+    out_avals = [jax.typeof(o) for o in outs]
 
     @ft.cache
-    def evaluate():
-        values = [compute() for compute in computing]  # pyright: ignore[reportOptionalCall]
-        # At once, whatever trace is current where a rule asks (inside a
-        # trace's hook there is none from jax 0.11).
-        eager = jc.eager_trace()
-        with jax.ensure_compile_time_eval():
-            if eager is None:
-                out = primitive.bind(*values, **params)
-            else:
-                with jc.set_current_trace(eager):
-                    out = primitive.bind(*values, **params)
-        return out if primitive.multiple_results else [out]
+    def decide() -> list[bool]:
+        invariant = [_invariant_of(k) for k in knowledge]
+        return _invariant_outputs(primitive, params, invariant, out_avals)
 
     for i, out in enumerate(outs):
         if isinstance(out, jc.Tracer):
-            _record(known, out, lambda i=i: evaluate()[i])
+            _record(known, out, _MaybeInvariant(lambda i=i: decide()[i]))
+
+
+def _nth(values: list | None, i: int) -> Any:
+    return None if values is None else values[i]
 
 
 # Primitives whose float output is 0, +-inf or NaN everywhere when the operands
@@ -342,25 +399,14 @@ def _is_float(x) -> bool:
     return np.issubdtype(getattr(aval, "dtype", np.int32), np.inexact)
 
 
-# In what `knowledge_of` gives: nothing is known of that value.
-_UNKNOWN = object()
-
-
 def knowledge_of(values) -> list | None:
-    """What is known of each of `values` (how to compute it, that it is
-    scale-invariant, or nothing), holding no tracer; `None` when no table is
-    open. Taken before a boundary where JAX hands a function fresh tracers for
-    `values` (see `sharing_knowledge`)."""
+    """What is known of each of `values` (how to compute it, how to tell whether
+    it is scale-invariant, or nothing: `None`), holding no tracer; `None` when
+    no table is open. Taken before a boundary where JAX hands a function fresh
+    tracers for `values` (see `sharing_knowledge`)."""
     if _known.get() is None:
         return None
-    knowledge = []
-    for x in values:
-        if not isinstance(x, jc.Tracer):
-            knowledge.append(lambda x=x: x)
-        else:
-            entry = _entry(x)
-            knowledge.append(_UNKNOWN if entry is None else entry[1])
-    return knowledge
+    return [_knowledge(x) for x in values]
 
 
 def sharing_knowledge(inner, knowledge) -> None:
@@ -370,5 +416,5 @@ def sharing_knowledge(inner, knowledge) -> None:
     if known is None or knowledge is None:
         return
     for x, what in zip(inner, knowledge):
-        if what is not _UNKNOWN and isinstance(x, jc.Tracer):
+        if what is not None and isinstance(x, jc.Tracer):
             _record(known, x, what)
