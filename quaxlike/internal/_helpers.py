@@ -6,7 +6,7 @@ import jax.numpy  # noqa: F401  (`jax.numpy.zeros` below)
 import numpy as np
 
 from .. import _jax_compat as jc
-from .._known_values import known_value
+from .._known_values import is_known, known_value
 from .._values import checked_aval, Value
 
 
@@ -94,6 +94,10 @@ def holding_known_zeros(value: Value, array: Any) -> Value | None:
         assert quaxlike.internal.holding_known_zeros(t, jnp.ones((3, 3))) is None
         ```
     """
+    # The lookup first: a loop asks for every plain carry, most of them unknown,
+    # and `aval()` is the type's own code.
+    if not is_known(array):
+        return None
     aval = cast(jc.ShapedArray, checked_aval(value))
     if jax.typeof(array).shape != aval.shape or jax.typeof(array).dtype != aval.dtype:
         return None

@@ -179,7 +179,7 @@ class QuantizedArray(quaxlike.ArrayValue):
         # A loop state of zeros that the body would refuse beside this weight
         # (a `cond` choosing between it and the weight) stands in as the zero
         # weight, to see whether the body gives it this type.
-        return quaxlike.internal.holding_known_zeros(self, array)
+        return self.holding_plain(array)
 
     @property
     @abc.abstractmethod
