@@ -13,8 +13,8 @@ import jax.random as jr
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from quaxlike.examples.lora import LoraArray
-from quaxlike.examples.sharding import gathered
+from quaxlike.lora import LoraArray
+from quaxlike.sharding import gathered
 
 
 @dataclasses.dataclass(frozen=True)

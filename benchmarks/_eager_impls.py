@@ -93,9 +93,9 @@ def quaxlike_impl() -> Impl:
     **Returns:** the `Impl`.
     """
     import quaxlike
-    from quaxlike.examples import unitful
-    from quaxlike.examples.lora import LoraArray
-    from quaxlike.examples.zero import Zero
+    from quaxlike import units as unitful
+    from quaxlike.lora import LoraArray
+    from quaxlike.symbolic.zero import Zero
 
     my_array, _ = _value_types(quaxlike)
     units = {"m": unitful.m, "km": unitful.km}

@@ -290,7 +290,7 @@ def lora_layers(model: Stack) -> list[tuple[Any, Any, Any, Any]]:
 def random_b(model: Any, seed: int = 7) -> Any:
     """`model` with the `B` factor of every `LoraArray` drawn at random (it starts at
     zero, which would hide the low-rank branch from an output check)."""
-    from quaxlike.examples.lora import LoraArray
+    from quaxlike.lora import LoraArray
 
     is_lora = lambda x: isinstance(x, LoraArray)  # noqa: E731
     leaves, treedef = jax.tree_util.tree_flatten(model, is_leaf=is_lora)

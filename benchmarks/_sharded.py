@@ -1,7 +1,7 @@
 """The multi-device side of `scale.py` (`--devices N`): the step compiled for
 shapes only over a 1-D mesh of N devices (fake CPU devices,
 `--xla_force_host_platform_device_count`), the model sharded FSDP-style with
-`quaxlike.examples.sharding` (every weight split by its logical rows, each
+`quaxlike.sharding` (every weight split by its logical rows, each
 block's weights gathered as stored inside the layer loop, activations split by
 batch), and the bytes each collective of the optimised program moves per step.
 """
@@ -21,7 +21,7 @@ import jax.tree_util as jtu
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import quaxlike
-from quaxlike.examples.sharding import fsdp, model_shardings
+from quaxlike.sharding import fsdp, model_shardings
 
 
 AXIS = "data"

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from quaxlike.examples.lora import LoraArray
+from quaxlike.lora import LoraArray
 
 
 class CompiledLoraArray(LoraArray):

@@ -6,7 +6,7 @@ Each step is `jax.jit`-compiled: a mean-squared-error loss over a batch
 an `optax.adam` update of those parameters.
 
 - quaxlike LoRA: `loraify(model, rank=8)`; trainable = the `A`, `B` factors
-  (`quaxlike.examples.lora.partition`), `W` and the biases frozen;
+  (`quaxlike.lora.partition`), `W` and the biases frozen;
 - hand-written LoRA: the same maths in plain JAX
   (`stop_gradient(W) @ x + A @ (B @ x) + bias`), trainable `A`, `B`;
 - full fine-tune: the dense model, every weight and bias trainable.
@@ -27,7 +27,7 @@ import jax.random as jr
 import numpy as np
 import optax
 
-from quaxlike.examples.lora import loraify, partition
+from quaxlike.lora import loraify, partition
 
 
 RANK = 8

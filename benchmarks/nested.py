@@ -25,8 +25,8 @@ import jax.random as jr
 import numpy as np
 
 import quaxlike
-from quaxlike.examples.lora import LoraArray, loraify
-from quaxlike.examples.zero import Zero
+from quaxlike.lora import LoraArray, loraify
+from quaxlike.symbolic.zero import Zero
 
 
 RANK = 8

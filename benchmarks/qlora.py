@@ -32,8 +32,8 @@ import jax.random as jr
 import numpy as np
 import optax
 
-from quaxlike.examples.lora import LoraArray, loraify, partition, qlora
-from quaxlike.examples.quantized._matmul import block_rows
+from quaxlike.lora import LoraArray, loraify, partition, qlora
+from quaxlike.quantized._matmul import block_rows
 
 
 RANK = 8

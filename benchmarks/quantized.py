@@ -37,8 +37,8 @@ import numpy as np
 from jax import lax
 
 import quaxlike
-from quaxlike.examples.quantized import quantize, quantize_int4, quantize_int8
-from quaxlike.examples.quantized._matmul import block_rows
+from quaxlike.quantized import quantize, quantize_int4, quantize_int8
+from quaxlike.quantized._matmul import block_rows
 
 
 KINDS = ("int8", "int4")

@@ -88,8 +88,8 @@ from _live_buffers import dump_options, print_live_at_peak
 from _sharded import describe, measure_sharded, sharded_loss, weight_shapes
 
 import quaxlike
-from quaxlike.examples.lora import loraify, partition, qlora
-from quaxlike.examples.quantized import quantize
+from quaxlike.lora import loraify, partition, qlora
+from quaxlike.quantized import quantize
 
 
 RANK = 16

@@ -47,8 +47,8 @@ import optax
 import quaxlike
 from quaxlike import _quaxify, _rules, _staging, _sub_programs, _values
 from quaxlike._higher_order import _eager_operators, _jit
-from quaxlike.examples.lora import LoraArray, loraify, partition, qlora
-from quaxlike.examples.quantized._matmul import block_rows
+from quaxlike.lora import LoraArray, loraify, partition, qlora
+from quaxlike.quantized._matmul import block_rows
 
 
 RANK = 4

@@ -24,7 +24,7 @@ import jax.random as jr
 import numpy as np
 
 import quaxlike
-from quaxlike.examples.lora import loraify
+from quaxlike.lora import loraify
 
 
 TARGET = 1.10

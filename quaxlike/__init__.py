@@ -38,15 +38,34 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree
 from . import lax as lax, numpy as numpy  # noqa: E402  (they use the names above)
 
 
-# As in Quax, the example types are reachable after a bare `import quaxlike`,
-# loaded on first use: `quaxlike.examples.zero`, and `quaxlike.lora` and the like
-# as short names for `quaxlike.examples.lora`.
+# The toolkits (`quaxlike.lora`, `quaxlike.quantized`, ...) are reachable after a
+# bare `import quaxlike`, loaded on first use, as Quax's examples are; so are
+# `quaxlike.examples` (their Quax-compatible names) and the short names it takes
+# (`quaxlike.unitful` for `quaxlike.units`, `quaxlike.zero` for
+# `quaxlike.symbolic.zero`, ...).
+_TOOLKITS = (
+    "interval",
+    "lora",
+    "named",
+    "prng",
+    "quantized",
+    "selection",
+    "sharding",
+    "sparse",
+    "structured",
+    "symbolic",
+    "units",
+)
+
+
 def __getattr__(name: str):
     import importlib
 
+    if name in _TOOLKITS:
+        return importlib.import_module(f"{__name__}.{name}")
     examples = importlib.import_module(".examples", __name__)
     if name == "examples":
         return examples
-    if name in examples._NAMES:
-        return getattr(examples, name)
+    if name in examples.HOMES:
+        return importlib.import_module(examples.HOMES[name])
     raise AttributeError(f"module 'quaxlike' has no attribute {name!r}")

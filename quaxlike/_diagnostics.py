@@ -83,7 +83,7 @@ class MaterialisationError(QuaxlikeError, RuntimeError):
     !!! example
 
         ```python
-        from quaxlike.examples.lora import LoraArray
+        from quaxlike.lora import LoraArray
 
         weight = LoraArray(jnp.ones((3, 2)), rank=1, key=jr.key(0))  # refuses by default
         try:
@@ -106,7 +106,7 @@ class LogicalShardingError(QuaxlikeError, ValueError):
 
         ```python
         from jax.sharding import PartitionSpec as P
-        from quaxlike.examples.sparse import BCOO
+        from quaxlike.sparse import BCOO
 
         sparse = BCOO.fromdense(jnp.eye(4))
         try:
@@ -161,7 +161,7 @@ class ValueNotLiftedError(QuaxlikeError, TypeError):
     !!! example
 
         ```python
-        from quaxlike.examples.zero import Zero
+        from quaxlike.symbolic.zero import Zero
 
         zero = Zero((3,), jnp.float32)
         only_second = (False, (False, True), False)
@@ -237,7 +237,7 @@ class CarryChangedError(QuaxlikeError, TypeError):
     !!! example
 
         ```python
-        from quaxlike.examples.unitful import m, Unitful
+        from quaxlike.units import m, Unitful
 
         def squares(x):
             return jax.lax.fori_loop(0, 3, lambda i, c: c * c, x)
@@ -264,7 +264,7 @@ class CarryMaterialisationError(CarryChangedError, MaterialisationError):
     !!! example
 
         ```python
-        from quaxlike.examples.unitful import m, Unitful
+        from quaxlike.units import m, Unitful
 
         def squares(x):
             return jax.lax.scan(lambda c, _: (c * c, None), x, length=2)[0]
@@ -289,7 +289,7 @@ class BranchMaterialisationError(MaterialisationError, ValueError):
     !!! example
 
         ```python
-        from quaxlike.examples.unitful import m, Unitful
+        from quaxlike.units import m, Unitful
 
         def pick(x, pred):
             return jax.lax.cond(pred, lambda: x, lambda: jnp.zeros(3))

@@ -37,7 +37,7 @@ class Report:
     !!! example
 
         ```python
-        from quaxlike.examples.zero import Zero
+        from quaxlike.symbolic.zero import Zero
 
         report = quaxlike.explain(lambda z, x: jnp.exp(z * x))(
             Zero((3,), jnp.float32), jnp.ones(3)
@@ -137,7 +137,7 @@ def explain(fn: Callable, filter_spec: PyTree[bool | Callable[[Any], bool]] = Tr
     !!! example
 
         ```python
-        from quaxlike.examples.lora import LoraArray
+        from quaxlike.lora import LoraArray
 
         weight = LoraArray(jnp.ones((6, 4)), rank=2, key=jr.key(0))
         model = lambda w, x: jnp.tanh(w @ x)

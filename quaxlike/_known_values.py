@@ -127,7 +127,7 @@ def is_known(x: Any) -> bool:
     !!! example
 
         ```python
-        from quaxlike.examples.unitful import m, Unitful
+        from quaxlike.units import m, Unitful
         from quaxlike.internal import is_known
 
         seen = []
@@ -160,7 +160,7 @@ def known_value(x: Any) -> np.ndarray | None:
     !!! example
 
         ```python
-        from quaxlike.examples.unitful import m, Unitful
+        from quaxlike.units import m, Unitful
         from quaxlike.internal import known_value
 
         seen = []
@@ -202,7 +202,7 @@ def is_scale_invariant(x: Any) -> bool:
     !!! example
 
         ```python
-        from quaxlike.examples.unitful import m, Unitful
+        from quaxlike.units import m, Unitful
         from quaxlike.internal import is_scale_invariant, known_value
 
         seen = []

@@ -348,7 +348,7 @@ def leaf_specs(value: Any, spec: PartitionSpec | None, mesh: Any = None) -> Any:
 
         ```python
         from jax.sharding import PartitionSpec as P
-        from quaxlike.examples.lora import LoraArray
+        from quaxlike.lora import LoraArray
 
         lora = LoraArray(jnp.ones((8, 4)), rank=2, key=jr.key(0))
         specs = quaxlike.leaf_specs(lora, P("data", None))
@@ -415,7 +415,7 @@ def leaf_shardings(tree: Any, shardings: Any) -> Any:
 
         ```python
         from jax.sharding import NamedSharding, PartitionSpec as P
-        from quaxlike.examples.lora import LoraArray
+        from quaxlike.lora import LoraArray
 
         mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
         lora = LoraArray(jnp.ones((8, 4)), rank=2, key=jr.key(0))
@@ -447,7 +447,7 @@ def device_put(tree: Any, shardings: Any) -> Any:
 
         ```python
         from jax.sharding import NamedSharding, PartitionSpec as P
-        from quaxlike.examples.lora import LoraArray
+        from quaxlike.lora import LoraArray
 
         mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
         lora = LoraArray(jnp.ones((8, 4)), rank=2, key=jr.key(0))
@@ -483,7 +483,7 @@ def with_sharding_constraint(tree: Any, shardings: Any) -> Any:
 
         ```python
         from jax.sharding import NamedSharding, PartitionSpec as P
-        from quaxlike.examples.quantized import quantize_nf4
+        from quaxlike.quantized import quantize_nf4
 
         mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
         rows = NamedSharding(mesh, P("data"))

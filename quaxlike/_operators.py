@@ -170,7 +170,7 @@ class ArrayOperators:
     !!! example
 
         ```python
-        from quaxlike.examples.zero import Zero
+        from quaxlike.symbolic.zero import Zero
 
         class MyZero(quaxlike.ArrayOperators, Zero):
             pass

@@ -42,7 +42,7 @@ def materialise_policy(mode: str) -> Iterator[None]:
     !!! example
 
         ```python
-        from quaxlike.examples.lora import LoraArray
+        from quaxlike.lora import LoraArray
 
         weight = LoraArray(jnp.ones((3, 2)), rank=1, key=jr.key(0), allow_materialise=True)
         with quaxlike.materialise_policy("error"):

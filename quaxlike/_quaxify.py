@@ -123,8 +123,21 @@ _TRACER_ERRORS = tuple(
     if isinstance(cls, type)
 )
 # Modules whose `TypeError` about one of our tracers is about a concrete value
-# that was needed: JAX's (`jnp.zeros(n)` raises a plain `TypeError`) and ours.
-_OWN_MODULES = ("jax.", "jaxlib.", "quaxlike.")
+# that was needed: JAX's (`jnp.zeros(n)` raises a plain `TypeError`) and the
+# core's (private modules, `internal`, `lax`, `numpy` and the hijax layer). The
+# toolkits' rules (`quaxlike.lora`, ...) are user code like any other.
+_JAX_MODULES = ("jax.", "jaxlib.")
+_CORE_PUBLIC_MODULES = ("internal", "lax", "numpy", "experimental")
+
+
+def _is_core_module(module: str) -> bool:
+    package, _, rest = module.partition(".")
+    if package != "quaxlike":
+        return False
+    if module.startswith("quaxlike.experimental.hijax_units"):
+        return False
+    first = rest.partition(".")[0]
+    return first == "" or first.startswith("_") or first in _CORE_PUBLIC_MODULES
 
 
 def _raised_by_jax(error: TypeError) -> bool:
@@ -136,8 +149,7 @@ def _raised_by_jax(error: TypeError) -> bool:
     while traceback is not None:
         frame, traceback = traceback.tb_frame, traceback.tb_next
     module = "" if frame is None else str(frame.f_globals.get("__name__", ""))
-    # The example types' rules are user code like any other.
-    return module.startswith(_OWN_MODULES) and not module.startswith("quaxlike.examples.")
+    return module.startswith(_JAX_MODULES) or _is_core_module(module)
 
 
 def _concrete_value_error(error: TypeError) -> Exception | None:
@@ -381,7 +393,7 @@ def quaxify(
     !!! example
 
         ```python
-        from quaxlike.examples.lora import LoraArray
+        from quaxlike.lora import LoraArray
 
         @quaxlike.quaxify
         def f(w, x):

@@ -223,7 +223,7 @@ def rules_for(primitive: jc.Primitive) -> list[plum.Method]:
     !!! example
 
         ```python
-        import quaxlike.examples.zero  # registers Zero's rules
+        import quaxlike.symbolic.zero  # registers Zero's rules
 
         for method in quaxlike.rules_for(jax.lax.mul_p):
             print(method.implementation.__qualname__, method.signature)

@@ -457,7 +457,7 @@ def materialise_value(
     !!! example
 
         ```python
-        from quaxlike.examples.zero import Zero
+        from quaxlike.symbolic.zero import Zero
 
         dense = quaxlike.internal.materialise_value(Zero((2,), jnp.float32))
         assert jnp.array_equal(dense, jnp.zeros(2))
@@ -536,7 +536,7 @@ def array_for_derivatives(value: Any) -> Any:
     !!! example
 
         ```python
-        from quaxlike.examples.quantized import quantize_int8
+        from quaxlike.quantized import quantize_int8
 
         q = quantize_int8(jnp.ones((4, 8)))
         dense = quaxlike.internal.array_for_derivatives(q)

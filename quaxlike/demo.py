@@ -32,8 +32,8 @@ except ModuleNotFoundError as error:  # the demo's one dependency beyond quaxlik
     ) from error
 
 import quaxlike
-from quaxlike.examples.lora import partition, qlora
-from quaxlike.examples.quantized import largest_dequantized, QuantizedArray
+from quaxlike.lora import partition, qlora
+from quaxlike.quantized import largest_dequantized, QuantizedArray
 
 
 # --- the text --------------------------------------------------------------------

@@ -10,19 +10,19 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
-# Test files in subfolders (tests/examples, tests/conformance) import `helpers`.
+# Test files in subfolders (tests/toolkits, tests/conformance) import `helpers`.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _slow_shards import parse_slow_shard, slow_shard_of  # noqa: E402
 
 
 # JAX's tracer-leak checker (JAX_CHECK_TRACER_LEAKS=1) is on for every test of the
 # framework itself. It also switches JAX's compilation caches off, so every eager
-# operation compiles afresh: the example types' tests (tests/examples), which
+# operation compiles afresh: the toolkits. tests (tests/toolkits), which
 # exercise rules rather than the trace machinery, run without it. Leaks come from
 # the core, and the core's tests, the conformance subset and the multi-device
 # tests keep it on.
 jax.config.update("jax_check_tracer_leaks", True)
-_WITHOUT_LEAK_CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples")
+_WITHOUT_LEAK_CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toolkits")
 
 
 # Strict dtype and rank promotion (no implicit int -> float or float32 -> float64
@@ -36,7 +36,7 @@ _STRICT_PROMOTION = os.environ.get("QUAXLIKE_TEST_STRICT_PROMOTION", "1") == "1"
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _USER_STYLE = tuple(
     os.path.join(_TESTS, d) + os.sep
-    for d in ("examples", "integration", "multiprocess", "jnp_table", "docs", "multidevice")
+    for d in ("toolkits", "integration", "multiprocess", "jnp_table", "docs", "multidevice")
 )
 
 

@@ -15,7 +15,7 @@ import jax.random as jr
 import pytest
 from helpers import tree_allclose
 
-from quaxlike.examples.lora import loraify, partition, qlora
+from quaxlike.lora import loraify, partition, qlora
 
 
 # The benchmark model is user code, written with JAX's default promotion.

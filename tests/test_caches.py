@@ -27,9 +27,9 @@ from jaxtyping import ArrayLike
 import quaxlike
 from quaxlike import _diagnostics, _quaxify, _rules, _staging, _sub_programs, _values
 from quaxlike._higher_order import _eager_operators, _jit
-from quaxlike.examples.lora import LoraArray
-from quaxlike.examples.zero import Zero
 from quaxlike.internal import bind_dot_general, cached_rule
+from quaxlike.lora import LoraArray
+from quaxlike.symbolic.zero import Zero
 
 
 def _new_type(name: str = "T"):
@@ -541,7 +541,7 @@ def test_without_mesh_remembers_one_mesh():
 
 
 def test_the_unit_product_memo_is_bounded(monkeypatch):
-    from quaxlike.examples.unitful import _unit
+    from quaxlike.units import _unit
 
     # The memo is the module's; earlier tests may have filled it with these very
     # products (which then never reach the bound), so this test starts it empty.
@@ -579,11 +579,11 @@ def test_the_rule_lock_is_reentrant_for_a_register_inside_a_subscriber():
 
 
 def test_unitful_stores_go_with_their_jaxpr():
-    from quaxlike.examples.unitful import _functions, Unit, Unitful
+    from quaxlike.units import _functions, Unit, Unitful
 
     refs = []
     # Unitful's own rules keep tracers in a context variable while a `jit` is
-    # traced, which JAX's leak checker reports: its tests (tests/examples) run
+    # traced, which JAX's leak checker reports: its tests (tests/toolkits) run
     # without the checker, and so does this one.
     with jax.check_tracer_leaks(False):
         _unitful_calls(refs, Unit, Unitful)
@@ -602,7 +602,7 @@ def _unitful_calls(refs, Unit, Unitful):
 
 
 def test_prng_key_data_is_one_per_implementation():
-    from quaxlike.examples.prng import _value
+    from quaxlike.prng import _value
 
     for _ in range(3):
         struct = _value.key_data_struct(jax.random.key(0).dtype)
@@ -616,7 +616,7 @@ def test_equinox_and_derivative_stores():
     # maps of a Value are `eqx.filter_jit`s (JAX's own bounded cache).
     from quaxlike import _rules
     from quaxlike._higher_order import _equinox, _leaf_derivatives
-    from quaxlike.examples.lora import LoraArray
+    from quaxlike.lora import LoraArray
 
     assert isinstance(_equinox._companions, weakref.WeakKeyDictionary)
     assert isinstance(_rules._asked_providers, weakref.WeakSet)

@@ -19,14 +19,14 @@ from helpers import tree_allclose
 from jax import lax
 
 import quaxlike
-from quaxlike.examples.constant import Constant
-from quaxlike.examples.lora import LoraArray, LoraConvKernel
-from quaxlike.examples.named import NamedArray
-from quaxlike.examples.quantized import quantize_int4, quantize_int8, quantize_nf4
-from quaxlike.examples.sparse import BCOO
-from quaxlike.examples.structured import Diagonal, TriDiagonal
-from quaxlike.examples.unitful import m, Unitful
-from quaxlike.examples.zero import Zero
+from quaxlike.lora import LoraArray, LoraConvKernel
+from quaxlike.named import NamedArray
+from quaxlike.quantized import quantize_int4, quantize_int8, quantize_nf4
+from quaxlike.sparse import BCOO
+from quaxlike.structured import Diagonal, TriDiagonal
+from quaxlike.symbolic.constant import Constant
+from quaxlike.symbolic.zero import Zero
+from quaxlike.units import m, Unitful
 
 
 RTOL, ATOL = 1e-4, 1e-5

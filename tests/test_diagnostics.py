@@ -14,7 +14,7 @@ import pytest
 from helpers import PassThrough, randn, tree_allclose
 
 import quaxlike
-from quaxlike.examples.lora import LoraArray
+from quaxlike.lora import LoraArray
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -23,10 +23,10 @@ from helpers import materialise_tree, PassThrough, randn, tree_allclose
 
 import quaxlike
 from quaxlike._higher_order import _eager_operators
-from quaxlike.examples.lora import LoraArray
-from quaxlike.examples.structured import Diagonal
-from quaxlike.examples.unitful import m, s, Unitful
-from quaxlike.examples.zero import Zero
+from quaxlike.lora import LoraArray
+from quaxlike.structured import Diagonal
+from quaxlike.symbolic.zero import Zero
+from quaxlike.units import m, s, Unitful
 
 
 OPERATORS = {

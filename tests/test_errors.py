@@ -9,9 +9,9 @@ from jax import lax
 from jaxtyping import ArrayLike
 
 import quaxlike
-from quaxlike.examples.lora import LoraArray
-from quaxlike.examples.zero import Zero
 from quaxlike.internal import ShapedArray
+from quaxlike.lora import LoraArray
+from quaxlike.symbolic.zero import Zero
 
 
 def test_refusing_type_names_primitive_types_and_rule_to_write():

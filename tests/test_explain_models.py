@@ -12,7 +12,7 @@ import pytest
 from helpers import randn, tree_allclose
 
 import quaxlike
-from quaxlike.examples.lora import LoraArray, loraify, merge
+from quaxlike.lora import LoraArray, loraify, merge
 
 
 def _trained(model, seed=10):

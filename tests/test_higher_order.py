@@ -12,8 +12,8 @@ from helpers import PassThrough, randn, tree_allclose
 from jax import lax
 
 import quaxlike
-from quaxlike.examples.lora import LoraArray
-from quaxlike.examples.zero import Zero
+from quaxlike.lora import LoraArray
+from quaxlike.symbolic.zero import Zero
 
 
 # --- helpers -------------------------------------------------------------------

@@ -12,8 +12,8 @@ from helpers import tree_allclose
 
 import quaxlike
 import quaxlike.demo
-from quaxlike.examples.lora import LoraArray, loraify, merge, trainable_filter
-from quaxlike.examples.zero import Zero
+from quaxlike.lora import LoraArray, loraify, merge, trainable_filter
+from quaxlike.symbolic.zero import Zero
 
 
 # Seed scenarios and training loops are user code, written with JAX's default

@@ -416,7 +416,7 @@ def test_filter_primitives_with_and_without_their_rules(monkeypatch):
     import equinox.internal as eqxi
 
     from quaxlike._jax_compat import _equinox
-    from quaxlike.examples.structured import TriDiagonal
+    from quaxlike.structured import TriDiagonal
 
     a = TriDiagonal(jnp.full(3, 0.5), jnp.full(4, 3.0), jnp.full(3, 0.5))
     found = _toy_filter_primitive("quaxlike_test_double")

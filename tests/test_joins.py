@@ -14,8 +14,8 @@ from helpers import randn
 from jax import lax
 
 import quaxlike
-from quaxlike.examples.lora import LoraArray
-from quaxlike.examples.quantized import quantize_int8
+from quaxlike.lora import LoraArray
+from quaxlike.quantized import quantize_int8
 
 
 N = 4
@@ -168,7 +168,7 @@ def test_a_quantity_holds_a_plain_zero_it_meets_in_a_loop():
     # A plain 0 fits every unit: the carry that starts as `jnp.zeros` is a
     # quantity in metres from the start. Its value must be known while tracing
     # (eagerly, or computed inside a `jit` from constants).
-    from quaxlike.examples.unitful import m, Unitful
+    from quaxlike.units import m, Unitful
 
     x = Unitful(randn(0, (3,)), m)
     out = quaxlike.quaxify(lambda x: _latest(x, jnp.zeros(3)))(x)
@@ -184,7 +184,7 @@ def test_a_quantity_holds_a_plain_zero_it_meets_in_a_loop():
 def test_a_quantity_does_not_hold_a_plain_array_of_unknown_value():
     # A plain start whose value is not known (an argument) is a dimensionless
     # number of any value: it cannot become metres, and the loop refuses.
-    from quaxlike.examples.unitful import m, Unitful
+    from quaxlike.units import m, Unitful
 
     x = Unitful(randn(0, (3,)), m)
     with pytest.raises(quaxlike.CarryMaterialisationError, match="carry 1"):
@@ -199,7 +199,7 @@ def _decaying_sum(x, start):
 
 @pytest.mark.parametrize("jitted", [False, True])
 def test_a_plain_carry_takes_the_unit_the_loop_body_gives_it(jitted):
-    from quaxlike.examples.unitful import m, Unitful
+    from quaxlike.units import m, Unitful
 
     x = Unitful(randn(0, (3,)), m)
     fn = lambda x: _decaying_sum(x, jnp.zeros(3))  # noqa: E731
@@ -227,7 +227,7 @@ def test_a_plain_carry_takes_the_unit_the_loop_body_gives_it(jitted):
 def test_a_stand_in_never_leaves_the_loop():
     # The counter starts as a plain zero too, and the body gives it no unit: it
     # stays a plain array, while the sum becomes metres.
-    from quaxlike.examples.unitful import m, Unitful
+    from quaxlike.units import m, Unitful
 
     x = Unitful(randn(0, (3,)), m)
 
@@ -244,7 +244,7 @@ def test_a_stand_in_never_leaves_the_loop():
 def test_a_plain_carry_of_unknown_value_is_still_refused_inside_the_body():
     # Under an outer `jit` the plain start is not known to be 0: it is not
     # given a unit, and the body's own error is raised.
-    from quaxlike.examples.unitful import m, UnitError, Unitful
+    from quaxlike.units import m, UnitError, Unitful
 
     x = Unitful(randn(0, (3,)), m)
     with pytest.raises(UnitError, match="`add` got a plain array"):
@@ -258,7 +258,7 @@ def test_a_carry_whose_unit_follows_from_another_found_one(jitted):
     # plain carry (`y`), so the first tries fail half-way through the body's
     # trace: with JAX's leak checker on (as in every test here), nothing of
     # those traces may stay alive.
-    from quaxlike.examples.unitful import m, s
+    from quaxlike.units import m, s
 
     def f(x, t):
         def body(i, carry):
@@ -278,7 +278,7 @@ def test_a_stand_in_meeting_a_unit_in_a_nested_loop_takes_it(jitted):
     # still unknown and leaves the inner body in metres. There it takes metres
     # (rather than being materialised), so the outer body finishes and `rate`
     # is found to be in m/s.
-    from quaxlike.examples.unitful import m, s
+    from quaxlike.units import m, s
 
     def f(x, t):
         def outer(i, carry):
@@ -295,7 +295,7 @@ def _same_as_unitless(f, jitted, units):
     """`quaxify(f)` on `x` in metres and `t` in seconds (under `eqx.filter_jit` if
     `jitted`) gives quantities in `units` whose numbers are `f` of the bare
     numbers."""
-    from quaxlike.examples.unitful import m, s, Unitful
+    from quaxlike.units import m, s, Unitful
 
     x, t = Unitful(randn(0, (3,)), m), Unitful(jnp.array(2.0), s)
     outs = quaxlike.quaxify(eqx.filter_jit(f) if jitted else f)(x, t)

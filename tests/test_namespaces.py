@@ -19,9 +19,9 @@ from jax import lax
 import quaxlike
 import quaxlike.lax as qlax
 import quaxlike.numpy as qnp
-from quaxlike.examples.lora import LoraArray
-from quaxlike.examples.zero import Zero
+from quaxlike.lora import LoraArray
 from quaxlike.numpy._mirror import QuaxifiedUfunc
+from quaxlike.symbolic.zero import Zero
 
 
 _MIRRORS = [

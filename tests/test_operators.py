@@ -14,8 +14,8 @@ from helpers import materialise_tree, PassThrough, randn, tree_allclose
 import quaxlike
 import quaxlike.numpy as qnp
 from quaxlike import ArrayOperators
-from quaxlike.examples.lora import LoraArray
-from quaxlike.examples.zero import Zero
+from quaxlike.lora import LoraArray
+from quaxlike.symbolic.zero import Zero
 
 
 # --- Value types with operators ---------------------------------------------------

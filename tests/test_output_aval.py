@@ -7,8 +7,8 @@ import pytest
 from jax import lax
 
 import quaxlike
-from quaxlike.examples.zero import Zero
 from quaxlike.internal import output_aval
+from quaxlike.symbolic.zero import Zero
 
 
 CASES = [

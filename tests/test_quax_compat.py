@@ -2,7 +2,7 @@
 types it catches, `size`/`ndim` read from `aval()`, and the example types
 reachable from a bare `import quaxlike`. (Unannotated rule arguments are in
 test_dispatch.py, eager mode in test_eager_mode.py, the example types' Quax
-names in tests/examples/test_quax_names.py.)"""
+names in tests/toolkits/test_quax_names.py.)"""
 
 import subprocess
 import sys
@@ -14,7 +14,7 @@ import pytest
 from helpers import randn
 
 import quaxlike
-from quaxlike.examples.lora import LoraArray
+from quaxlike.lora import LoraArray
 
 
 def _overriding_type():
@@ -104,8 +104,8 @@ def test_examples_are_attributes_of_a_bare_import():
     # A fresh interpreter: nothing imported the examples yet.
     code = (
         "import quaxlike, sys\n"
-        "assert 'quaxlike.examples.lora' not in sys.modules\n"
-        "assert quaxlike.examples.zero.Zero is quaxlike.zero.Zero\n"
+        "assert 'quaxlike.lora' not in sys.modules\n"
+        "assert quaxlike.symbolic.zero.Zero is quaxlike.zero.Zero\n"
         "assert quaxlike.lora.LoraArray.__name__ == 'LoraArray'\n"
         "try:\n"
         "    quaxlike.not_a_thing\n"
@@ -113,6 +113,40 @@ def test_examples_are_attributes_of_a_bare_import():
         "    assert 'not_a_thing' in str(e)\n"
         "else:\n"
         "    raise SystemExit('no AttributeError')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_quax_compatible_names_are_the_homes_themselves():
+    # A fresh interpreter, so that the aliases are imported before their homes
+    # (the order a Quax user's `import quax.examples.lora` takes).
+    code = (
+        "import importlib, sys\n"
+        "import quaxlike.examples.lora._peft as alias_peft\n"
+        "import quaxlike.examples as examples\n"
+        "import quaxlike.lora\n"
+        "assert alias_peft is sys.modules['quaxlike.lora._peft']\n"
+        "assert quaxlike.examples.lora is quaxlike.lora\n"
+        "assert quaxlike.lora.__spec__.name == 'quaxlike.lora'\n"
+        "for alias, home in examples.HOMES.items():\n"
+        "    if alias == 'hijax':\n"
+        "        continue  # needs JAX's hijax API\n"
+        "    old = importlib.import_module('quaxlike.examples.' + alias)\n"
+        "    assert old is importlib.import_module(home), alias\n"
+        "    assert getattr(examples, alias) is old\n"
+        "    # Every submodule loaded by then answers under the alias too, as\n"
+        "    # Quax test shims that copy `sys.modules` entries expect.\n"
+        "    for name in [n for n in sys.modules if n.startswith(home + '.')]:\n"
+        "        assert sys.modules['quaxlike.examples.' + alias + name[len(home):]] is sys.modules[name]\n"
+        "assert quaxlike.unitful is quaxlike.units and quaxlike.zero is quaxlike.symbolic.zero\n"
+        "assert quaxlike.structured_matrices is quaxlike.structured.quax_names\n"
+        "# The toolkits' code lives in their homes: nothing is executed twice.\n"
+        "assert not any(m.__name__.startswith('quaxlike.examples.')\n"
+        "               for m in list(sys.modules.values()) if m is not None)\n"
+        "import pathlib\n"
+        "folder = pathlib.Path(examples.__file__).parent\n"
+        "assert sorted(p.name for p in folder.iterdir() if p.suffix == '.py') == ['__init__.py']\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -34,8 +34,9 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Int, Shaped
 
 import quaxlike
-from quaxlike.examples import lora as ql_lora, zero as ql_zero
+from quaxlike import lora as ql_lora
 from quaxlike.internal import ShapedArray
+from quaxlike.symbolic import zero as ql_zero
 
 
 # Seed scenarios and training loops are user code, written with JAX's default
@@ -80,7 +81,7 @@ def _tutorial_types(*, ambiguous=False, lora_precedence=0, combination_rule=Fals
     """
     calls = []
 
-    # Here's a rank-1 LoRA: a simple version of `quaxlike.examples.lora.LoraArray`.
+    # Here's a rank-1 LoRA: a simple version of `quaxlike.lora.LoraArray`.
     class LoraArray(quaxlike.ArrayValue):
         w: Shaped[Array, "dim1 dim2"]  # noqa: F722
         a: Shaped[Array, " dim1"]  # noqa: F722
@@ -571,7 +572,7 @@ def test_qax_zeros_replace_gpt_biases(allow_rank_promotion):
 
 def test_zero_example_type_replaces_equinox_biases():
     # The Equinox-native version: the biases of an `eqx.nn.MLP` become
-    # `quaxlike.examples.zero.Zero`.
+    # `quaxlike.symbolic.zero.Zero`.
     model = eqx.filter_jit(lambda key: eqx.nn.MLP(5, 3, 16, 2, key=key))(jr.key(0))
 
     def is_linear(x):
@@ -994,7 +995,7 @@ def test_qax_lora_training_freeze_keys_matches_plain_jax(allow_rank_promotion):
 
 
 def test_lora_example_type_on_equinox_model():
-    # The Equinox-native version with `quaxlike.examples.lora`: identical output at
+    # The Equinox-native version with `quaxlike.lora`: identical output at
     # init; training with optax changes only the factors.
     make = eqx.filter_jit(
         lambda k1, k2: (lambda m: (m, ql_lora.loraify(m, rank=2, key=k2)))(
@@ -1074,7 +1075,7 @@ def test_qax_nesting_lora_with_symbolic_zero_factors():
     assert LoraMatrix.materialised == []
     assert sorted(QaxZeros.materialised) == [(3, 6), (5, 6)]
 
-    # With `quaxlike.examples.zero.Zero` (which has dot_general and transpose rules)
+    # With `quaxlike.symbolic.zero.Zero` (which has dot_general and transpose rules)
     # as the factors, nothing needs materialising; the result is the same.
     lora_with_zero = LoraMatrix(
         w=w,

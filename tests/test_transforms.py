@@ -10,8 +10,8 @@ import pytest
 from helpers import randn, tree_allclose
 
 import quaxlike
-from quaxlike.examples.lora import LoraArray
-from quaxlike.examples.zero import Zero
+from quaxlike.lora import LoraArray
+from quaxlike.symbolic.zero import Zero
 
 
 RTOL, ATOL = 1e-4, 1e-5

@@ -20,8 +20,8 @@ from jaxtyping import Array, Float, jaxtyped
 
 import quaxlike
 import quaxlike.numpy as qnp
-from quaxlike.examples.lora import LoraArray
-from quaxlike.examples.zero import Zero
+from quaxlike.lora import LoraArray
+from quaxlike.symbolic.zero import Zero
 
 
 class Ones(quaxlike.ArrayOperators, quaxlike.ArrayValue):

@@ -73,7 +73,7 @@ def joined(xs: list[Any]) -> list[Value] | None:
     !!! example
 
         ```python
-        from quaxlike.examples.lora import LoraArray
+        from quaxlike.lora import LoraArray
 
         lora = LoraArray(jnp.eye(3), rank=1, key=jax.random.key(0))
         held, same = quaxlike.internal.joined([jnp.ones((3, 3)), lora])

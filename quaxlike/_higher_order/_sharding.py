@@ -295,7 +295,7 @@ def optimization_barrier_p_values(*args: AnyValue, **params):
     """`lax.optimization_barrier` over Values: one barrier over every array leaf
     of every operand, each Value rebuilt with its own type (a barrier changes no
     numbers). Types with a rule of their own keep it (this one has the lowest
-    precedence). `quaxlike.examples.sharding.gathered` puts a layer's weights
+    precedence). `quaxlike.sharding.gathered` puts a layer's weights
     behind one, so that XLA gathers each stored leaf of the layer, not the
     stack it was sliced from."""
     leaves, treedef = jtu.tree_flatten(list(args))

@@ -78,8 +78,8 @@ class HiValue(ArrayValue):
     !!! example
 
         ```python
-        from quaxlike.examples.hijax import UnitfulArray, wrap
-        from quaxlike.examples.unitful import meters
+        from quaxlike.experimental.hijax_units import UnitfulArray, wrap
+        from quaxlike.units import meters
 
 
         class Length(HiValue):
@@ -168,8 +168,8 @@ def register_rules(cls: type[HiValue], rules: Mapping[Any, Callable[..., Any]], 
 
         ```python
         from jax import lax
-        from quaxlike.examples.hijax import int_pow, mul, UnitfulArray, wrap
-        from quaxlike.examples.unitful import meters
+        from quaxlike.experimental.hijax_units import int_pow, mul, UnitfulArray, wrap
+        from quaxlike.units import meters
 
 
         class Length(HiValue):

@@ -34,7 +34,7 @@ def output_aval(primitive: jc.Primitive, args: Sequence[Any], params: dict[str, 
     !!! example
 
         ```python
-        from quaxlike.examples.zero import Zero
+        from quaxlike.symbolic.zero import Zero
 
         aval = quaxlike.internal.output_aval(
             jax.lax.dot_general_p,
@@ -86,7 +86,7 @@ def holding_known_zeros(value: Value, array: Any) -> Value | None:
     !!! example
 
         ```python
-        from quaxlike.examples.structured import TriDiagonal
+        from quaxlike.structured import TriDiagonal
 
         t = TriDiagonal(jnp.ones(2), jnp.ones(3), jnp.ones(2))
         held = quaxlike.internal.holding_known_zeros(t, jnp.zeros((3, 3)))

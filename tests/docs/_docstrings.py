@@ -1,8 +1,8 @@
 """The examples in quaxlike's public docstrings, and the namespace they run in.
 
 An example is a ```python block in the docstring of a public object: a name
-exported by `quaxlike`, `quaxlike.internal` or one of the `quaxlike.examples`
-packages, or a public method or property of such a class. Each example runs on
+exported by `quaxlike`, `quaxlike.internal` or one of the toolkits
+(`quaxlike.lora`, ...), or a public method or property of such a class. Each example runs on
 its own, in a fresh namespace holding `PREAMBLE`'s imports and every public
 name of the package that exports the object (so an example in `LoraArray`'s
 docstring may use `loraify` without importing it).
@@ -23,12 +23,12 @@ import warnings
 from quaxlike import _hijax_compat, examples as _examples
 
 
-# Every example module but `hijax`, which needs JAX's high-level types (below).
+# Every toolkit but the hijax units, which need JAX's high-level types (below).
 PACKAGES = ["quaxlike", "quaxlike.internal"] + [
-    f"quaxlike.examples.{name}" for name in _examples._NAMES if name != "hijax"
+    home for name, home in _examples.HOMES.items() if name != "hijax"
 ]
 if _hijax_compat.AVAILABLE:  # JAX's high-level types: JAX 0.9.2 and later
-    PACKAGES += ["quaxlike.examples.hijax", "quaxlike.experimental.hijax"]
+    PACKAGES += ["quaxlike.experimental.hijax_units", "quaxlike.experimental.hijax"]
 
 PREAMBLE = """\
 import equinox as eqx

@@ -4,10 +4,10 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
 
-from quaxlike.examples.lora import LoraArray
-from quaxlike.examples.quantized import quantize_int8
-from quaxlike.examples.sparse import BCOO
-from quaxlike.examples.structured import Diagonal, TriDiagonal
+from quaxlike.lora import LoraArray
+from quaxlike.quantized import quantize_int8
+from quaxlike.sparse import BCOO
+from quaxlike.structured import Diagonal, TriDiagonal
 
 
 N = 5

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import quaxlike
-from quaxlike.examples.lora import loraify
+from quaxlike.lora import loraify
 
 
 def lora_mlp(key):

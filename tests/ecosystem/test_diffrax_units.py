@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import quaxlike
-from quaxlike.examples.unitful import km, m, plain_constants_take_units, s, UnitError, Unitful
+from quaxlike.units import km, m, plain_constants_take_units, s, UnitError, Unitful
 
 
 TIMES = np.linspace(0.0, 3.0, 5)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import quaxlike
-from quaxlike.examples.unitful import m, s, Unitful
+from quaxlike.units import m, s, Unitful
 
 
 VALUES = {

@@ -20,8 +20,8 @@ import optimistix as optx
 import pytest
 
 import quaxlike
-from quaxlike.examples.lora import LoraArray
-from quaxlike.examples.structured import TriDiagonal
+from quaxlike.lora import LoraArray
+from quaxlike.structured import TriDiagonal
 
 
 def test_custom_jvp_rule_runs_for_a_lora_argument():

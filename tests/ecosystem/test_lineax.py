@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import quaxlike
-from quaxlike.examples.lora import LoraArray
-from quaxlike.examples.structured import TriDiagonal
+from quaxlike.lora import LoraArray
+from quaxlike.structured import TriDiagonal
 
 
 SOLVERS = {

@@ -4,7 +4,7 @@ LoRA factors that are not at their initial values."""
 import jax
 import numpy as np
 
-from quaxlike.examples.lora import LoraArray
+from quaxlike.lora import LoraArray
 
 
 def is_lora(x) -> bool:

@@ -18,8 +18,8 @@ from helpers import tree_allclose
 from lora_helpers import dense, is_lora, randn, with_nonzero_b
 
 import quaxlike
-from quaxlike.examples.lora import LoraArray, loraify, partition
-from quaxlike.examples.quantized import (
+from quaxlike.lora import LoraArray, loraify, partition
+from quaxlike.quantized import (
     dequantize,
     Int4Array,
     quantize,

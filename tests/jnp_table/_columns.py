@@ -17,15 +17,15 @@ import jax.random as jr
 import numpy as np
 
 import quaxlike
-from quaxlike.examples.constant import Constant
-from quaxlike.examples.lora import LoraArray
-from quaxlike.examples.named import NamedArray
-from quaxlike.examples.prng import PRNGKeyValue
-from quaxlike.examples.quantized import quantize_int4, quantize_int8, QuantizedArray
-from quaxlike.examples.sparse import BCOO
-from quaxlike.examples.structured import TriDiagonal
-from quaxlike.examples.unitful import m, Unit, Unitful
-from quaxlike.examples.zero import Zero
+from quaxlike.lora import LoraArray
+from quaxlike.named import NamedArray
+from quaxlike.prng import PRNGKeyValue
+from quaxlike.quantized import quantize_int4, quantize_int8, QuantizedArray
+from quaxlike.sparse import BCOO
+from quaxlike.structured import TriDiagonal
+from quaxlike.symbolic.constant import Constant
+from quaxlike.symbolic.zero import Zero
+from quaxlike.units import m, Unit, Unitful
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from _reasons import KNOWN_CORE_BUGS, reason_for
 from _signatures import EXCLUDED, public_functions
 
 import quaxlike
-from quaxlike.examples.unitful import m, UnitError, Unitful
+from quaxlike.units import m, UnitError, Unitful
 
 
 _REGENERATE = "run `python tests/jnp_table/generate.py` and commit table.json and the page"

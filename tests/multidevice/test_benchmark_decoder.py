@@ -16,8 +16,8 @@ from helpers import tree_allclose
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import quaxlike
-from quaxlike.examples.lora import partition, qlora
-from quaxlike.examples.sharding import model_shardings
+from quaxlike.lora import partition, qlora
+from quaxlike.sharding import model_shardings
 
 
 pytestmark = pytest.mark.skipif(

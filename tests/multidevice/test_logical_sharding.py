@@ -16,16 +16,16 @@ from helpers import randn, tree_allclose
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import quaxlike
-from quaxlike.examples.constant import Constant
-from quaxlike.examples.interval import Interval
-from quaxlike.examples.lora import LoraArray, LoraConvKernel, multi_loraify
-from quaxlike.examples.named import NamedArray
-from quaxlike.examples.prng import PRNGKeyValue
-from quaxlike.examples.quantized import quantize_int4, quantize_int8, quantize_nf4
-from quaxlike.examples.sparse import BCOO
-from quaxlike.examples.structured import Diagonal, ScaledIdentity, TriDiagonal
-from quaxlike.examples.unitful import meters, Unitful
-from quaxlike.examples.zero import Zero
+from quaxlike.interval import Interval
+from quaxlike.lora import LoraArray, LoraConvKernel, multi_loraify
+from quaxlike.named import NamedArray
+from quaxlike.prng import PRNGKeyValue
+from quaxlike.quantized import quantize_int4, quantize_int8, quantize_nf4
+from quaxlike.sparse import BCOO
+from quaxlike.structured import Diagonal, ScaledIdentity, TriDiagonal
+from quaxlike.symbolic.constant import Constant
+from quaxlike.symbolic.zero import Zero
+from quaxlike.units import meters, Unitful
 
 
 pytestmark = pytest.mark.skipif(

@@ -1,5 +1,5 @@
 """A small QLoRA model (NF4 with double quantisation, stacked layers under
-`lax.scan`) sharded as a user asks for it with `quaxlike.examples.sharding`:
+`lax.scan`) sharded as a user asks for it with `quaxlike.sharding`:
 fully sharded data parallelism and tensor parallelism on 8 devices give the loss
 and gradients of one device; FSDP gathers each layer's packed codes (`uint8`),
 never a dequantised weight. Run through `tests/test_multidevice.py`.
@@ -18,8 +18,8 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import quaxlike
-from quaxlike.examples.lora import partition, qlora
-from quaxlike.examples.sharding import columns, fsdp, gathered, model_shardings, rows, shard
+from quaxlike.lora import partition, qlora
+from quaxlike.sharding import columns, fsdp, gathered, model_shardings, rows, shard
 
 
 pytestmark = pytest.mark.skipif(

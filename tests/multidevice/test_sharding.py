@@ -14,8 +14,8 @@ from helpers import materialise_tree, PassThrough, randn, tree_allclose
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import quaxlike
-from quaxlike.examples.lora import LoraArray
-from quaxlike.examples.zero import Zero
+from quaxlike.lora import LoraArray
+from quaxlike.symbolic.zero import Zero
 
 
 pytestmark = pytest.mark.skipif(

@@ -12,9 +12,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import quaxlike
-from quaxlike.examples.lora import LoraArray, loraify, partition
-from quaxlike.examples.quantized import Int4Array, quantize
-from quaxlike.examples.sharding import fsdp, model_shardings
+from quaxlike.lora import LoraArray, loraify, partition
+from quaxlike.quantized import Int4Array, quantize
+from quaxlike.sharding import fsdp, model_shardings
 
 
 IN, WIDTH, OUT, BATCH, RANK, STEPS = 16, 32, 8, 32, 4, 5
@@ -64,7 +64,7 @@ def place(model, xs, ys, mesh):
     """Fully sharded data parallelism over every device of the mesh, with the
     logical API: each weight (a Value as one: a LoRA's `W`, or its 4-bit codes
     and scales, and `A`) split by its logical rows over ("data", "model"), as
-    `quaxlike.examples.sharding.fsdp` chooses, each Value's leaves following its
+    `quaxlike.sharding.fsdp` chooses, each Value's leaves following its
     type's declaration; the batch split over the same devices."""
     everywhere = ("data", "model")
     arrays, static = eqx.partition(model, eqx.is_array)

@@ -1,5 +1,0 @@
-"""Quax's `structured_matrices` example under its own name: `TridiagonalMatrix`,
-a `quaxlike.examples.structured.TriDiagonal` with Quax's fields and refusal to
-materialise."""
-
-from ._value import TridiagonalMatrix as TridiagonalMatrix

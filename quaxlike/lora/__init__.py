@@ -1,0 +1,32 @@
+"""Low-rank adaptation: `LoraArray` stands for `W + A @ B` without building it, and
+`LoraConvKernel` for a convolution kernel plus a low-rank update (both built on
+`LowRankValue`). `loraify` and `qlora` adapt a model's weights, chosen with the
+selection language of `quaxlike.selection`; `stack_adapters` and
+`with_adapter` serve many adapters over one base; `save_peft`, `load_peft` and
+`load_safetensors` read and write the Hugging Face layouts."""
+
+from ..selection import module as module, select as select
+from . import _conv, _gather, _rules  # noqa: F401  (register the rules)
+from ._base import LowRankValue as LowRankValue
+from ._conv import LoraConvKernel as LoraConvKernel
+from ._model import (
+    adapted_paths as adapted_paths,
+    loraify as loraify,
+    merge as merge,
+    partition as partition,
+    trainable_filter as trainable_filter,
+)
+from ._multi import (
+    adapter_count as adapter_count,
+    multi_loraify as multi_loraify,
+    MultiLoraArray as MultiLoraArray,
+    stack_adapters as stack_adapters,
+    with_adapter as with_adapter,
+)
+from ._peft import (
+    load_peft as load_peft,
+    load_safetensors as load_safetensors,
+    save_peft as save_peft,
+)
+from ._qlora import qlora as qlora
+from ._value import LoraArray as LoraArray
