@@ -34,6 +34,7 @@ from jaxtyping import PyTree
 
 import quaxlike
 
+from ..checkpoints import load_safetensors as load_safetensors  # noqa: F401  (its home)
 from ..selection import dotted_path, is_value
 from ._base import LowRankValue, shape_of
 from ._value import LoraArray
@@ -347,89 +348,3 @@ def _is_weight(leaf: Any) -> bool:
     if isinstance(leaf, quaxlike.ArrayValue) or hasattr(leaf, "shape"):
         return len(shape_of(leaf)) >= 2
     return False
-
-
-def load_safetensors(
-    model: PyTree,
-    files: str | os.PathLike | list[str | os.PathLike],
-    name_map: Mapping[str, Any] | Callable[[str], Any],
-    *,
-    strict: bool = True,
-) -> PyTree:
-    """Load a checkpoint's weights (`*.safetensors`, as Hugging Face saves them) into
-    an Equinox model, through a name map.
-
-    **Arguments:**
-
-    - `model`: the model, whose arrays give the shapes and dtypes expected.
-    - `files`: one `.safetensors` file or a list of them (a sharded checkpoint).
-    - `name_map`: for each of our leaves, by dotted path, the checkpoint's tensor
-        name: a dict or a function of the path (None: leave the leaf alone). A
-        name may be a pair `(name, function)` to transform the array first (such
-        as `np.transpose` for a kernel stored `(in, out)`), and holds one `{}` per
-        leading axis to stack from several tensors (`"model.layers.{}.mlp.up_proj.weight"`
-        for a stack of layers whose leaf has the layer axis first).
-    - `strict`: whether every leaf named must be found (else it is left alone).
-
-    **Returns:**
-
-    The model with those leaves replaced by the checkpoint's arrays, cast to each
-    leaf's dtype.
-
-    **Raises:**
-
-    `KeyError` for a name not in the checkpoint (when `strict`), `ValueError` for
-    a shape that does not fit.
-
-    !!! example
-
-        ```python
-        import os, tempfile
-        from safetensors.numpy import save_file
-
-        linear = eqx.nn.Linear(2, 2, key=jr.key(0))
-        with tempfile.TemporaryDirectory() as d:
-            file = os.path.join(d, "model.safetensors")
-            save_file({"proj.weight": np.eye(2, dtype=np.float32),
-                       "proj.bias": np.zeros(2, np.float32)}, file)
-            loaded = load_safetensors(linear, file, {"weight": "proj.weight", "bias": "proj.bias"})
-        assert jnp.array_equal(loaded.weight, jnp.eye(2))
-        ```
-    """
-    st = _safetensors_numpy()
-    paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
-    tensors: dict[str, np.ndarray] = {}
-    for file in paths:
-        tensors.update(st.load_file(file))
-    lookup = name_map if callable(name_map) else name_map.get
-    leaves, treedef = jtu.tree_flatten_with_path(model, is_leaf=is_value)
-    out = []
-    for key_path, leaf in leaves:
-        path = dotted_path(key_path)
-        entry = lookup(path)
-        if entry is None:
-            out.append(leaf)
-            continue
-        name, transform = entry if isinstance(entry, tuple) else (entry, None)
-        shape = shape_of(leaf)
-        stacked = name.count("{}")
-        names = _names_for(name, shape[:stacked], path) if stacked else [((), name)]
-        missing = [n for _, n in names if n not in tensors]
-        if missing:
-            if strict:
-                raise KeyError(
-                    f"`load_safetensors`: no tensor {missing[0]!r} (for `{path}`) in "
-                    f"{[str(p) for p in paths]}; some names there: {sorted(tensors)[:8]}."
-                )
-            out.append(leaf)
-            continue
-        parts = [tensors[n] if transform is None else transform(tensors[n]) for _, n in names]
-        array = np.stack(parts).reshape(shape[:stacked] + parts[0].shape) if stacked else parts[0]
-        if tuple(array.shape) != shape:
-            raise ValueError(
-                f"`load_safetensors`: `{path}` has shape {shape}, but {name!r} gives "
-                f"{tuple(array.shape)}. A kernel stored the other way round needs "
-                "`(name, np.transpose)` in the name map."
-            )
-        out.append(jnp.asarray(array, dtype=leaf.dtype))
-    return jtu.tree_unflatten(treedef, out)

@@ -1,10 +1,24 @@
 """Quantised weights: `Int8Array` (one scale per output channel), `Int4Array` (one
 scale per group of inputs, two codes per byte) and `NF4Array` (4-bit NormalFloat
 codes, optionally with double-quantised scales), with matrix-product and
-indexing rules that never build the dense weight."""
+indexing rules that never build the dense weight; and the layouts of PyTorch's
+4-bit checkpoints as they are stored, read by `quaxlike.checkpoints`:
+`GroupedIntArray` (GPTQ, AWQ, compressed-tensors) and `Bnb4bitArray`
+(bitsandbytes)."""
 
-from . import _indexing, _matmul, _rules  # noqa: F401  (register the quantised arrays' rules)
+from . import (  # noqa: F401  (register the quantised arrays' rules)
+    _indexing,
+    _layout_rules,
+    _matmul,
+    _rules,
+)
 from ._base import QuantizedArray as QuantizedArray
+from ._bnb import Bnb4bitArray as Bnb4bitArray
+from ._grouped import (
+    GroupedIntArray as GroupedIntArray,
+    pack_words as pack_words,
+    unpack_words as unpack_words,
+)
 from ._inspect import largest_dequantized as largest_dequantized
 from ._matmul import default_matmul as default_matmul, with_matmul as with_matmul
 from ._nf4 import (

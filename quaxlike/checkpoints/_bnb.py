@@ -1,0 +1,117 @@
+"""bitsandbytes' 4-bit layout, as transformers' `save_pretrained` writes a
+`Linear4bit` weight: under the weight's name, the packed codes and, beside them,
+`.absmax`, `.quant_map`, the nested statistics `.nested_absmax` and
+`.nested_quant_map`, and `.quant_state.bitsandbytes__nf4` (or `__fp4`), a JSON
+blob in a `uint8` tensor holding the rest of bitsandbytes' `QuantState`."""
+
+import json
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from quaxlike.quantized import Bnb4bitArray
+
+from ._source import Source
+
+
+STATE_KEYS = ("quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4")
+
+_STRADDLE_MSG = (
+    "`load_safetensors`: {name!r} is bitsandbytes 4-bit with blocksize {blocksize}, "
+    "which does not divide its rows of {columns} inputs: a block of absmaxes would "
+    "straddle two rows, and `Bnb4bitArray` keeps whole blocks in each row. Load this "
+    "weight dense instead (dequantise it with bitsandbytes) or leave it out of the "
+    "name map."
+)
+_SHAPE_MSG = (
+    "`load_safetensors`: {name!r} is a bitsandbytes 4-bit weight of shape {theirs} "
+    "(its quant state's `shape`), but the model's leaf `{path}` has shape {ours}."
+)
+_NESTED_DTYPE_MSG = (
+    "`load_safetensors`: {name!r} has nested statistics in {dtype}; bitsandbytes "
+    "writes them in float32, and no other dtype is read here."
+)
+_EIGHT_BIT_MSG = (
+    "`load_safetensors`: {name!r} is a bitsandbytes 8-bit (LLM.int8) weight "
+    "(`{name}` with `.SCB` beside it), a layout this loader does not read. Only "
+    "4-bit (`load_in_4bit`) checkpoints are read; load the original float "
+    "checkpoint and `quantize` it here instead."
+)
+
+
+def is_bnb_4bit(name: str, source: Source) -> bool:
+    """Whether `name` is stored in bitsandbytes' 4-bit layout."""
+    return name in source and any(f"{name}.{key}" in source for key in STATE_KEYS)
+
+
+def check_not_8bit(name: str, source: Source) -> None:
+    if f"{name}.SCB" in source:
+        raise ValueError(_EIGHT_BIT_MSG.format(name=name))
+
+
+def quant_state(name: str, source: Source) -> dict[str, Any]:
+    """The JSON part of bitsandbytes' quant state for the weight `name`."""
+    key = next(f"{name}.{k}" for k in STATE_KEYS if f"{name}.{k}" in source)
+    return json.loads(bytes(source.get(key).astype(np.uint8)).decode("utf-8"))
+
+
+def nested_per_row(
+    nested_absmax: np.ndarray, rows: int, blocks: int, nested_blocksize: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The second-level absmaxes each row meets, `(rows, m)`, and the position of
+    the row's first absmax in its first second-level block, `(rows, 1)`: absmax
+    `g` of row `r` is number `r * blocks + g` of the flattened weight."""
+    first = np.arange(rows) * blocks
+    start_block = first // nested_blocksize
+    end_block = (first + blocks - 1) // nested_blocksize
+    m = int(np.max(end_block - start_block)) + 1
+    index = np.minimum(start_block[:, None] + np.arange(m), len(nested_absmax) - 1)
+    start = (first % nested_blocksize).astype(np.int32)[:, None]
+    return nested_absmax[index].astype(np.float32), start
+
+
+def read_bnb_4bit(name: str, source: Source, path: str, shape: tuple[int, ...]) -> Bnb4bitArray:
+    """The weight `name` as a `Bnb4bitArray` of shape `shape` `(out, in)`."""
+    state = quant_state(name, source)
+    theirs = tuple(state["shape"])
+    if theirs != tuple(shape):
+        raise ValueError(_SHAPE_MSG.format(name=name, theirs=theirs, path=path, ours=shape))
+    rows, columns = theirs
+    blocksize = int(state["blocksize"])
+    if columns % blocksize:
+        raise ValueError(_STRADDLE_MSG.format(name=name, blocksize=blocksize, columns=columns))
+    blocks = columns // blocksize
+    # Any `quant_storage` dtype holds the same bytes: read them as `uint8`.
+    packed = np.ascontiguousarray(source.get(name)).reshape(-1).view(np.uint8)
+    packed = packed[: rows * columns // 2].reshape(rows, columns // 2)
+    absmax = source.get(f"{name}.absmax").reshape(rows, blocks)
+    fields: dict[str, Any] = {}
+    if f"{name}.nested_absmax" in source:
+        if state.get("nested_dtype", "float32") != "float32":
+            raise ValueError(_NESTED_DTYPE_MSG.format(name=name, dtype=state["nested_dtype"]))
+        nested_blocksize = int(state["nested_blocksize"])
+        nested, start = nested_per_row(
+            source.get(f"{name}.nested_absmax").astype(np.float32),
+            rows,
+            blocks,
+            nested_blocksize,
+        )
+        fields = dict(
+            nested=jnp.asarray(nested),
+            nested_start=jnp.asarray(start),
+            nested_code=jnp.asarray(source.get(f"{name}.nested_quant_map"), jnp.float32),
+            offset=jnp.asarray(np.float32(state["nested_offset"])),
+            nested_blocksize=nested_blocksize,
+        )
+        absmax = absmax.astype(np.uint8)
+    else:
+        absmax = absmax.astype(np.float32)
+    return Bnb4bitArray(
+        packed=jnp.asarray(packed),
+        absmax=jnp.asarray(absmax),
+        code=jnp.asarray(source.get(f"{name}.quant_map"), jnp.float32),
+        quant_type=state["quant_type"],
+        library_dtype=str(state["dtype"]),
+        **fields,
+    )
