@@ -12,8 +12,11 @@ from . import (  # noqa: F401  (register the quantised arrays' rules)
     _matmul,
     _rules,
 )
+from ._awq import AWQ as AWQ, InputScaled as InputScaled
 from ._base import QuantizedArray as QuantizedArray
 from ._bnb import Bnb4bitArray as Bnb4bitArray
+from ._calibration import CalibrationError as CalibrationError
+from ._gptq import GPTQ as GPTQ
 from ._grouped import (
     GroupedIntArray as GroupedIntArray,
     pack_words as pack_words,

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools as ft
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -25,7 +26,9 @@ from ._base import (
 from ._nf4 import quantize_nf4
 
 
-_BAD_BITS_MSG = '`quantize`: `bits` must be 8 or 4, or "nf4" for NormalFloat codes; got {bits!r}.'
+_BAD_BITS_MSG = (
+    '`quantize`: `bits` must be 8, 4, 3 or 2, or "nf4" for NormalFloat codes; got {bits!r}.'
+)
 _DOUBLE_QUANT_MSG = (
     '`quantize`: `double_quant=True` quantises the scales of `bits="nf4"` only; '
     'got `bits={bits!r}`. Pass `bits="nf4"`, or leave `double_quant` out.'
@@ -308,6 +311,14 @@ def _linear_weights(model: PyTree) -> list:
     return [x.weight for x in jtu.tree_leaves(model, is_leaf=_is_linear) if _is_linear(x)]
 
 
+def default_where(model: PyTree) -> Any:
+    """`quantize`'s selection when `where` is not given: every `eqx.nn.Linear`
+    weight, or an error if there is none."""
+    if not _linear_weights(model):
+        raise ValueError(_NO_LINEAR_MSG.format(type_name=type(model).__qualname__))
+    return _linear_weights
+
+
 def quantize(
     model: PyTree,
     *,
@@ -318,6 +329,9 @@ def quantize(
     allow_materialise: bool = False,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     matmul: str | None = None,
+    method: Any = "rtn",
+    calibration: Iterable[Any] | None = None,
+    run: Callable[[Any, Any], Any] | None = None,
 ) -> PyTree:
     """Replace the weight of every `eqx.nn.Linear` in `model` by a quantised one.
 
@@ -331,9 +345,11 @@ def quantize(
 
     - `model`: any PyTree holding Equinox layers.
     - `bits`: 8 for `Int8Array` (per output channel), 4 for `Int4Array` (per
-        group) or `"nf4"` for `NF4Array` (4-bit NormalFloat codes, per group).
-    - `group_size`: the group size for `bits=4` (default 32) and `"nf4"` (default
-        64); ignored for 8.
+        group) or `"nf4"` for `NF4Array` (4-bit NormalFloat codes, per group);
+        3 or 2 for codes in `[-3, 3]` or `[-1, 1]` stored in an `Int4Array`
+        (the accuracy of 3 or 2 bits, the memory of 4).
+    - `group_size`: the group size for `bits=4`, 3 and 2 (default 32) and
+        `"nf4"` (default 64); ignored for 8.
     - `double_quant`: for `bits="nf4"` only: quantise the groups' scales to 8 bits
         too (see `quantize_nf4`).
     - `where`: instead of every `Linear` weight, the weights to quantise: any
@@ -350,6 +366,20 @@ def quantize(
         blocks, so that no dense copy of a weight is ever alive; a larger block
         means fewer, larger steps (faster, up to the size of the cache) and more
         memory. See benchmarks/README.md for the trade-off measured.
+    - `method`: how the codes are chosen. `"rtn"` (the default) rounds each
+        weight to the nearest code. `"gptq"` (or `GPTQ(...)` for its options)
+        rounds column by column, spreading each column's error over the columns
+        not yet rounded so that the layer's output on the calibration data
+        changes least (Frantar et al., 2022). `"awq"` (or `AWQ(...)`) scales the
+        weight's input channels by the calibration inputs' magnitudes before
+        rounding (Lin et al., 2023); the weight becomes an `InputScaled` over the
+        quantised array, which divides its inputs by the scales again. Both
+        give the codes and scales of the same types as `"rtn"`.
+    - `calibration`: for `"gptq"` and `"awq"`, an iterable of batches the model
+        is run on to record each selected weight's inputs (see the
+        calibration section of `quaxlike.quantized`'s README).
+    - `run`: `run(model, batch)` runs the model on one calibration batch;
+        by default `jax.vmap(model)(batch)`, Equinox's convention.
 
     **Returns:**
 
@@ -358,7 +388,9 @@ def quantize(
     **Raises:**
 
     `ValueError` if `where` is not given and the model has no `eqx.nn.Linear`, or
-    `where` selects nothing (rather than returning the model unchanged).
+    `where` selects nothing (rather than returning the model unchanged);
+    `CalibrationError` (a `ValueError`) if calibration cannot run or a weight
+    cannot be calibrated as the model uses it (the message says why).
 
     !!! example
 
@@ -371,6 +403,12 @@ def quantize(
     options = dict(allow_materialise=allow_materialise, block_bytes=block_bytes, matmul=matmul)
     if double_quant and bits != "nf4":
         raise ValueError(_DOUBLE_QUANT_MSG.format(bits=bits))
+    if method != "rtn" or calibration is not None or run is not None or bits in (3, 2):
+        from ._calibrated import calibrated_quantize
+
+        return calibrated_quantize(
+            model, method, calibration, run, bits, group_size, double_quant, where, options
+        )
     if bits == 8:
         make = ft.partial(quantize_int8, **options)
     elif bits == 4:
@@ -382,9 +420,7 @@ def quantize(
     else:
         raise ValueError(_BAD_BITS_MSG.format(bits=bits))
     if where is None:
-        if not _linear_weights(model):
-            raise ValueError(_NO_LINEAR_MSG.format(type_name=type(model).__qualname__))
-        where = _linear_weights
+        where = default_where(model)
     return replace_selected(model, where, make, "quantize")
 
 
@@ -400,7 +436,8 @@ def dequantize(model: PyTree) -> PyTree:
     **Returns:**
 
     The same PyTree with every `Int8Array` and `Int4Array` replaced by the dense
-    array `codes * scale` it stands for; it runs without `quaxify`.
+    array `codes * scale` it stands for (and every `InputScaled` of `method="awq"`
+    by `codes * scale / input_scale`); it runs without `quaxify`.
 
     !!! example
 
@@ -411,7 +448,9 @@ def dequantize(model: PyTree) -> PyTree:
         assert jnp.allclose(quaxlike.quaxify(qmlp)(x), dequantize(qmlp)(x), atol=1e-5)
         ```
     """
-    is_quantized = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+    from ._awq import InputScaled  # AWQ's weights (`_awq` builds on this module)
+
+    is_quantized = lambda x: isinstance(x, (QuantizedArray, InputScaled))  # noqa: E731
     return jtu.tree_map(
         lambda x: x.dequantize() if is_quantized(x) else x, model, is_leaf=is_quantized
     )

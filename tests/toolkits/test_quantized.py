@@ -132,8 +132,8 @@ def test_constructor_errors():
         quantize_int8(jnp.ones((2, 2), jnp.int32))
     with pytest.raises(ValueError, match="even group size"):  # 6 inputs in 2 groups of 3
         Int4Array(jnp.zeros((2, 3), jnp.uint8), jnp.ones((2, 2)))
-    with pytest.raises(ValueError, match="`bits` must be 8 or 4"):
-        quantize([jnp.ones((2, 2))], bits=3, where=lambda m: m[0])
+    with pytest.raises(ValueError, match="`bits` must be 8, 4, 3 or 2"):
+        quantize([jnp.ones((2, 2))], bits=5, where=lambda m: m[0])
 
 
 def test_refuses_to_materialise_with_a_teaching_error(getseed):
