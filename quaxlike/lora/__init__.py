@@ -1,4 +1,5 @@
-"""Low-rank adaptation: `LoraArray` stands for `W + A @ B` without building it, and
+"""Low-rank adaptation: `LoraArray` stands for `W + A @ B` without building it,
+`DoraArray` for DoRA's `(m / ‖W + A @ B‖) ⊙ (W + A @ B)`, and
 `LoraConvKernel` for a convolution kernel plus a low-rank update (both built on
 `LowRankValue`). `loraify` and `qlora` adapt a model's weights, chosen with the
 selection language of `quaxlike.selection`; `stack_adapters` and
@@ -6,9 +7,10 @@ selection language of `quaxlike.selection`; `stack_adapters` and
 `load_safetensors` read and write the Hugging Face layouts."""
 
 from ..selection import module as module, select as select
-from . import _conv, _gather, _rules  # noqa: F401  (register the rules)
+from . import _conv, _dora_rules, _gather, _rules  # noqa: F401  (register the rules)
 from ._base import LowRankValue as LowRankValue
 from ._conv import LoraConvKernel as LoraConvKernel
+from ._dora import DoraArray as DoraArray, row_norms as row_norms
 from ._model import (
     adapted_paths as adapted_paths,
     loraify as loraify,

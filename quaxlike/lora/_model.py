@@ -13,6 +13,7 @@ import quaxlike
 from ..selection import dotted_path, selected as selected_leaves
 from ._base import LowRankValue
 from ._conv import LoraConvKernel
+from ._dora import DoraArray, row_norms
 from ._value import LoraArray
 
 
@@ -43,6 +44,18 @@ _STACKED_CONV_MSG = (
     "`eqx.filter_vmap` builds. LoraConvKernel has no batch axes, so stacked "
     "convolutions cannot be adapted yet. Leave them out with `where=`, or build the "
     "layers one by one."
+)
+_DORA_CONV_MSG = (
+    "`loraify(..., dora=True)` selected `{path}`, the kernel of an `eqx.nn.{kind}`: "
+    "DoRA on convolution kernels is not supported yet (only on matrices `(*batch, "
+    "out, in)`). Ways out: leave convolutions out with `where=` (for example "
+    "`where=eqx.nn.Linear`), or adapt them with plain LoRA in a second call "
+    "(`loraify(model, rank=..., key=..., where=eqx.nn.Conv)`)."
+)
+_MAGNITUDE_FROM_MSG = (
+    "`loraify(..., magnitude_from=...)` has no weight at `{path}` (or one of another "
+    "shape: {what}); it must be a tree like the model with the unquantised weight "
+    "at every adapted path (the model before `quantize`, say)."
 )
 _BAD_KEY_SCHEME_MSG = (
     "`loraify(..., key_scheme=...)` takes 'quax' (Quax's chain of splits, the default) "
@@ -94,9 +107,11 @@ def loraify(
     allow_materialise: bool = False,
     stop_gradient: bool = True,
     key_scheme: Literal["quax", "split"] = "quax",
+    dora: bool = False,
+    magnitude_from: PyTree | None = None,
 ) -> PyTree:
     """Replace weights in `model` by `LoraArray`s (and convolution kernels by
-    `LoraConvKernel`s).
+    `LoraConvKernel`s), or with `dora=True` by `DoraArray`s.
 
     By default the weight of every `eqx.nn.Linear` is replaced (in a transformer:
     the attention projections of `eqx.nn.MultiheadAttention`, the feed-forward
@@ -128,6 +143,14 @@ def loraify(
     - `key_scheme`: `"quax"` (the default): the chain above. `"split"`:
         `jr.split(key, n)` over the replaced weights in tree order, as quaxlike did
         before it matched Quax.
+    - `dora`: make DoRA weights (`DoraArray`: a trainable magnitude per output
+        row times the row-normalised `W + A @ B`), PEFT's `use_dora=True`. The
+        magnitude starts at the row norms of `W` (dequantised, for a quantised
+        base, as PEFT does). Convolution kernels are refused.
+    - `magnitude_from`: with `dora=True`, a tree like `model` (the model before
+        `quantize`, say) whose weights at the adapted paths give the initial
+        magnitudes instead: Answer.AI's QDoRA takes them from the weight before
+        quantisation.
     - `where`: which leaves to replace. `None`: the weight of every
         `eqx.nn.Linear`, `eqx.nn.Conv` and `eqx.nn.ConvTranspose`. Otherwise any
         selection of `quaxlike.selection` (check one with
@@ -196,6 +219,7 @@ def loraify(
         [isinstance(layers.get(paths[i]), eqx.nn.Linear) for i in selected],
         key_scheme,
     )
+    magnitudes = _magnitude_source(magnitude_from) if dora else None
     new_leaves = list(leaves)
     for i in selected:
         new_leaves[i] = _adapted(
@@ -207,8 +231,18 @@ def loraify(
             scale=scale,
             allow_materialise=allow_materialise,
             stop_gradient=stop_gradient,
+            dora=dora,
+            magnitudes=magnitudes,
         )
     return jtu.tree_unflatten(treedef, new_leaves)
+
+
+def _magnitude_source(tree: PyTree | None) -> dict[str, Any] | None:
+    """`{dotted path: leaf}` of `magnitude_from`, or None."""
+    if tree is None:
+        return None
+    found = jtu.tree_flatten_with_path(tree, is_leaf=_is_value)[0]
+    return {dotted_path(path): leaf for path, leaf in found}
 
 
 def _weight_keys(key, selected: list[int], is_linear: list[bool], scheme: str) -> dict[int, Any]:
@@ -224,10 +258,33 @@ def _weight_keys(key, selected: list[int], is_linear: list[bool], scheme: str) -
     return keys
 
 
-def _adapted(leaf, path: str, layer: Any, key, *, rank, scale, allow_materialise, stop_gradient):
-    """`leaf` as a LoraConvKernel (the kernel of a convolution) or a LoraArray, with
-    `A = scale * jr.normal(key, ...)` drawn exactly as Quax draws it."""
+def _adapted(
+    leaf,
+    path: str,
+    layer: Any,
+    key,
+    *,
+    rank,
+    scale,
+    allow_materialise,
+    stop_gradient,
+    dora=False,
+    magnitudes=None,
+):
+    """`leaf` as a LoraConvKernel (the kernel of a convolution), a LoraArray or a
+    DoraArray, with `A = scale * jr.normal(key, ...)` drawn exactly as Quax draws it."""
     flags = dict(allow_materialise=allow_materialise, stop_gradient=stop_gradient)
+    if dora and isinstance(layer, _CONVOLUTIONS):
+        raise ValueError(_DORA_CONV_MSG.format(path=path, kind=type(layer).__name__))
+    if dora:
+        magnitude = None
+        if magnitudes is not None:
+            source = magnitudes.get(path)
+            if source is None or tuple(getattr(source, "shape", ())) != tuple(leaf.shape):
+                what = "none" if source is None else f"shape {tuple(source.shape)}"
+                raise ValueError(_MAGNITUDE_FROM_MSG.format(path=path, what=what))
+            magnitude = row_norms(source)
+        return DoraArray(leaf, rank=rank, scale=scale, key=key, magnitude=magnitude, **flags)
     if isinstance(layer, _CONVOLUTIONS):
         if leaf.ndim != layer.num_spatial_dims + 2:
             raise ValueError(
@@ -267,7 +324,8 @@ def adapted_paths(model: PyTree) -> list[str]:
 
 
 def trainable_filter(model: PyTree) -> PyTree[bool]:
-    """A filter spec selecting only the LoRA factors `a` and `b` of `model`.
+    """A filter spec selecting only the LoRA factors `a` and `b` of `model` (and
+    the magnitude `m` of a `DoraArray`, which trains with them).
 
     **Arguments:**
 
@@ -290,6 +348,9 @@ def trainable_filter(model: PyTree) -> PyTree[bool]:
     """
 
     def mark(x):
+        if isinstance(x, DoraArray):
+            spec = jtu.tree_map(lambda _: False, x)
+            return eqx.tree_at(lambda s: (s.a, s.b, s.m), spec, (True, True, True))
         if _is_lora(x):
             spec = jtu.tree_map(lambda _: False, x)
             return eqx.tree_at(lambda s: (s.a, s.b), spec, (True, True))
@@ -341,7 +402,7 @@ def partition(model: PyTree) -> tuple[PyTree, PyTree]:
 
 def merge(model: PyTree) -> PyTree:
     """Bake every `LoraArray` (and `LoraConvKernel`) in `model` into a dense weight
-    `W + A @ B`.
+    `W + A @ B`, and every `DoraArray` into `(m / ‖W + A @ B‖) ⊙ (W + A @ B)`.
 
     **Arguments:**
 

@@ -21,6 +21,8 @@ def qlora(
     scale: float = 0.01,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     where: Any = None,
+    dora: bool = False,
+    magnitude_from: PyTree | None = None,
 ) -> PyTree:
     """Quantise every `eqx.nn.Linear` weight of `model` and give it a trainable
     low-rank update: QLoRA.
@@ -40,6 +42,12 @@ def qlora(
     - `bits`, `group_size`, `double_quant`, `block_bytes`: as for
         `quaxlike.quantized.quantize` (the paper's setting is
         `bits="nf4", double_quant=True`, groups of 64).
+    - `dora`: make DoRA weights over the quantised bases (QDoRA): `DoraArray`s
+        whose magnitude starts at the row norms of the dequantised weight, as
+        PEFT's does.
+    - `magnitude_from`: with `dora=True`, take the initial magnitudes from the
+        weights of this tree instead (pass `model` itself for Answer.AI's QDoRA,
+        which starts from the weight before quantisation).
     - `where`: which weights, in any form of `quaxlike.selection` (by
         default every `eqx.nn.Linear` weight); check it with `select(model, where)`.
 
@@ -55,6 +63,7 @@ def qlora(
         model = qlora(mlp, rank=4, key=jr.key(1))
         assert type(model.layers[0].weight.w).__name__ == "Int4Array"
         y = quaxlike.quaxify(model)(jnp.ones(64))
+        qdora = qlora(mlp, rank=4, key=jr.key(1), bits="nf4", dora=True, magnitude_from=mlp)
         ```
     """
     quantized = quantize(
@@ -65,8 +74,16 @@ def qlora(
         block_bytes=block_bytes,
         where=where,
     )
-    if where is None:
-        return loraify(quantized, rank=rank, key=key, scale=scale)
-    # The same leaves, whatever the selection would make of the quantised ones.
-    chosen = set(select(model, where))
-    return loraify(quantized, rank=rank, key=key, scale=scale, where=lambda p, _: p in chosen)
+    if where is not None:
+        # The same leaves, whatever the selection would make of the quantised ones.
+        chosen = set(select(model, where))
+        where = lambda p, _: p in chosen  # noqa: E731
+    return loraify(
+        quantized,
+        rank=rank,
+        key=key,
+        scale=scale,
+        where=where,
+        dora=dora,
+        magnitude_from=magnitude_from,
+    )
