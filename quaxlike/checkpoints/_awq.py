@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from quaxlike.quantized import GroupedIntArray, pack_words
-from quaxlike.quantized._grouped import unpack_words_numpy
 
 from ._gptq import grouped
+from ._packing import unpack_words
 from ._source import Source
 
 
@@ -38,7 +38,7 @@ _SHAPE_MSG = (
 def unpack_awq(words: np.ndarray, columns: int) -> np.ndarray:
     """`uint8` codes `(..., columns)` of AWQ words `(..., columns / 8)`, in column
     order."""
-    fields = unpack_words_numpy(words, 4)  # field order within each word
+    fields = unpack_words(words, 4)  # field order within each word
     fields = fields.reshape(*words.shape[:-1], -1, 8)
     ordered = np.empty_like(fields)
     ordered[..., AWQ_ORDER] = fields

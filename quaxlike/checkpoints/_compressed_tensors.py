@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from quaxlike.quantized import GroupedIntArray
-from quaxlike.quantized._grouped import unpack_words_numpy
 
 from ._gptq import drop_trivial_g_idx, grouped
+from ._packing import unpack_words
 from ._source import Source
 
 
@@ -89,7 +89,7 @@ def read_packed(
     if f"{name}_zero_point" in source:
         stored = source.get(f"{name}_zero_point")
         if stored.dtype == np.int32 and stored.shape[0] == -(-out * bits // 32):
-            zeros = unpack_words_numpy(stored.T, bits, out).T  # unsigned: zp + offset
+            zeros = unpack_words(stored.T, bits, out).T  # unsigned: zp + offset
         elif stored.size == out * groups:
             zeros = stored.reshape(out, groups).astype(np.int32) + offset
         elif stored.size == 1 or np.all(stored == 0):

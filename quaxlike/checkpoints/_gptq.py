@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from quaxlike.quantized import GroupedIntArray
-from quaxlike.quantized._grouped import unpack_words_numpy
 
+from ._packing import unpack_words
 from ._source import Source
 
 
@@ -118,7 +118,7 @@ def read_gptq(
     qzeros = source.get(f"{module}.qzeros")
     if version == "v1":
         qzeros = (qzeros.view(np.uint32) + np.uint32(_V1_ONES[bits])).view(np.int32)
-    zeros = unpack_words_numpy(qzeros, bits, out)  # (groups, out)
+    zeros = unpack_words(qzeros, bits, out)  # (groups, out)
     g_idx = source.get(f"{module}.g_idx") if f"{module}.g_idx" in source else None
     g_idx = drop_trivial_g_idx(g_idx, columns, groups)
     if g_idx is None and columns % groups:

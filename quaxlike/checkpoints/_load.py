@@ -194,6 +194,7 @@ def load_safetensors(
     strict: bool = True,
     quantization_config: dict[str, Any] | None = None,
     allow_materialise: bool = False,
+    block_bytes: int | None = None,
     matmul: str | None = None,
 ) -> PyTree:
     """Load a checkpoint's weights (`*.safetensors`, as Hugging Face saves them) into
@@ -240,8 +241,8 @@ def load_safetensors(
     - `strict`: whether every leaf named must be found (else it is left alone).
     - `quantization_config`: the checkpoint's `quantization_config` (as in its
         `config.json`), for a file given alone; by default the directory's.
-    - `allow_materialise`, `matmul`: for the quantised Values, as for
-        `QuantizedArray`.
+    - `allow_materialise`, `block_bytes`, `matmul`: for the quantised Values, as
+        for `QuantizedArray` (`block_bytes` by default its default).
 
     **Returns:**
 
@@ -308,7 +309,9 @@ def load_safetensors(
         if tuple(array.shape) != shape:
             raise ValueError(_SHAPE_MSG.format(path=path, shape=shape, name=name, got=array.shape))
         out.append(jnp.asarray(array, dtype=leaf.dtype))
-    options = dict(allow_materialise=allow_materialise, matmul=matmul)
+    options: dict[str, Any] = dict(allow_materialise=allow_materialise, matmul=matmul)
+    if block_bytes is not None:
+        options["block_bytes"] = block_bytes
     out = [
         dataclasses.replace(x, **options) if isinstance(x, (GroupedIntArray, Bnb4bitArray)) else x
         for x in out

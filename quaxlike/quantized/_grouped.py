@@ -69,14 +69,6 @@ def pack_words(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(words.astype(np.uint32).view(np.int32))
 
 
-def unpack_words_numpy(words: np.ndarray, bits: int, columns: int | None = None) -> np.ndarray:
-    """NumPy twin of `unpack_words`, for loaders and writers."""
-    unsigned = np.asarray(words).view(np.uint32)
-    codes = (unsigned[..., None] >> word_shifts(bits)) & np.uint32(2**bits - 1)
-    codes = codes.reshape(*unsigned.shape[:-1], -1).astype(np.uint8)
-    return codes if columns is None else codes[..., :columns]
-
-
 class GroupedIntArray(QuantizedArray):
     """A weight of unsigned integer codes with a scale and a zero point per group
     of inputs: `(code - zero) * scale`, the layout of GPTQ, AWQ and
