@@ -292,8 +292,8 @@ def checkpointed_layers(block, x, stacked, layers_per_checkpoint: int = 1):
         # loop. Scanning over the leaves split as `(groups, k, ...)` instead
         # makes XLA copy each group's slice for the inner loop (at 70B on two
         # devices, 1.6 GiB of codes live at the peak). Inside `quaxify` a Value
-        # is indexed by its `dynamic_slice` rule (a double-quantised NF4
-        # weight's second-level scales then come one per row, a few KiB).
+        # is indexed by its `dynamic_slice` rule, which keeps its layout (a
+        # double-quantised NF4 weight's second-level scales one per block).
         one = jax.tree_util.tree_map(
             lambda leaf: lax.dynamic_index_in_dim(leaf, index, keepdims=False), stacked
         )

@@ -4,7 +4,9 @@ Each takes the codes and the scales alike (see `QuantizedArray.row_leaves`), so
 only what is taken is ever dequantised:
 
 - taking whole matrices (indexing the leading batch dimensions, as `w[i]` on a
-  stack of layers does) gives another quantised array;
+  stack of layers does) gives another quantised array, stored as the original
+  is (a double-quantised `NF4Array` keeps one second-level scale per block of
+  rows: see `NF4Array.with_row_leaves`);
 - taking whole rows of the stored weight (an embedding lookup: `table[ids]`,
   `jax.vmap(embedding)(ids)`, `lax.dynamic_slice(table, (i, 0), (n, dim))`) gives
   those rows, dequantised: dense, as the dense table's lookup would be.

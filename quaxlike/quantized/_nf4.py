@@ -194,18 +194,39 @@ class NF4Array(QuantizedArray):
         groups = self.scale if self.absmax is None else self.absmax
         return 2 * self.packed.shape[-1] // groups.shape[-1]
 
+    @property
+    def double_quant_rows(self) -> int:
+        """`r`: how many consecutive rows share one second-level scale (1 without
+        double quantisation, where every row has scales of its own)."""
+        if self.absmax is None:
+            return 1
+        return self.packed.shape[-2] // self.scale.shape[-2]
+
     def row_leaves(self) -> tuple[Array, ...]:
         if self.absmax is None:
             return self.packed, self.scale
         # The second-level scales, one per row: a block's rows share theirs.
-        rows = self.packed.shape[-2] // self.scale.shape[-2]
-        return self.packed, self.absmax, repeat_rows(self.scale, rows)
+        return self.packed, self.absmax, repeat_rows(self.scale, self.double_quant_rows)
 
     def with_row_leaves(self, *leaves: Array) -> "NF4Array":
+        """A copy with the leaves `row_leaves` describes replaced. With double
+        quantisation, leaves with as many rows as this array's are these rows in
+        their order (what every rule that keeps the rows whole passes): their
+        second-level scales, one per row in `row_leaves`, are stored one per
+        block again, as `quantize_nf4` stores them. Fewer rows (cut out at an
+        index that may be traced, so not on a block's edge) keep one per row."""
         if len(leaves) == 2:
             packed, scale = leaves
             return dataclasses.replace(self, packed=packed, scale=scale)
         packed, absmax, scale = leaves
+        r = self.double_quant_rows
+        rows = packed.shape[-2]
+        if r > 1 and rows == self.packed.shape[-2] and scale.shape[-2] == rows:
+            # This array's own rows, whole (an operation on the batch axes, as
+            # indexing a stack of layers is): one scale per block, not per row
+            # (`r` times the bytes). XLA folds the repeat and this back into a
+            # slice of the stored scales.
+            scale = per_block(scale, r)
         return dataclasses.replace(self, packed=packed, absmax=absmax, scale=scale)
 
     def unpack(self, data: Array) -> UInt8[Array, "..."]:  # noqa: F722
@@ -247,6 +268,16 @@ def repeat_rows(x: Array, times: int) -> Array:
     kept = (*range(len(batch) + 1), len(batch) + 2)  # every axis but the copies'
     copies = lax.broadcast_in_dim(x, (*batch, rows, times, k), kept)
     return copies.reshape(*batch, rows * times, k)
+
+
+def per_block(x: Array, times: int) -> Array:
+    """The inverse of `repeat_rows`: the first row of each run of `times` rows of
+    `x` (axis -2), whose rows are equal in runs of `times`. Written as a reshape
+    that splits the rows from their copies and an index into the copies, so the
+    rows keep their sharding, as `repeat_rows`'s do."""
+    *batch, rows, k = x.shape
+    runs = x.reshape(*batch, rows // times, times, k)
+    return lax.index_in_dim(runs, 0, axis=len(batch) + 1, keepdims=False)
 
 
 def double_quant_layout(out: int, n_groups: int, block: int) -> tuple[int, int]:

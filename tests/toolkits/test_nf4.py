@@ -250,3 +250,144 @@ def test_quantize_and_qlora_select_nf4():
     # `bits=4` keeps its default groups of 32.
     assert isinstance(quantize(mlp, bits=4).layers[0].weight, Int4Array)
     assert quantize(mlp, bits=4).layers[0].weight.group_size == 32
+
+
+# --- indexing with double quantisation ---------------------------------------------
+#
+# A stack of 3 weights (32, 128), groups of 16 (8 per row) and second-level blocks of
+# 32 absmaxes: each second-level scale covers 4 rows, 8 per weight.
+
+STACK, ROWS, COLUMNS = 3, 32, 128
+
+
+def _stacked_dq(seed):
+    w = randn(seed, (STACK, ROWS, COLUMNS))
+    q = quantize_nf4(w, group_size=16, double_quant=True, double_quant_block=32)
+    assert q.scale.shape == (STACK, ROWS // 4, 1)  # blocks of 4 rows
+    return q
+
+
+def _nbytes(tree) -> int:
+    return sum(x.nbytes for x in jtu.tree_leaves(tree))
+
+
+def test_double_quant_whole_matrices_keep_one_scale_per_block(getseed):
+    # Indexing the stack (a layer loop's `w[i]`, `dynamic_index_in_dim`, a gather of
+    # layers) gives the layers as `quantize_nf4` stores them: one second-level scale
+    # per block of rows, not one per row (four times the bytes here).
+    from jax import lax
+
+    q = _stacked_dq(getseed())
+    layer = jtu.tree_map(lambda leaf: leaf[2], q)  # the stored layout of layer 2
+    layers = jtu.tree_map(lambda leaf: leaf[jnp.array([2, 0])], q)
+
+    def pieces(w, i, ids):
+        return {
+            "w[i]": w[i],
+            "dynamic_index_in_dim": lax.dynamic_index_in_dim(w, i, keepdims=False),
+            "dynamic_slice": lax.dynamic_slice(w, (i, 0, 0), (1, ROWS, COLUMNS))[0],
+            "vmap(w[i])": jax.vmap(lambda i: w[i])(ids)[0],
+            "squeeze": jnp.squeeze(w[2:], 0),
+            "w[ids]": w[ids],
+        }
+
+    got = eqx.filter_jit(quaxlike.quaxify(pieces))(q, 2, jnp.array([2, 0]))
+    for name, piece in got.items():
+        assert isinstance(piece, NF4Array), name
+        want = layers if name == "w[ids]" else layer
+        # The same leaves, bit for bit: the same layout, the same bytes.
+        assert jtu.tree_structure(piece) == jtu.tree_structure(want), name
+        assert all(
+            a.shape == b.shape and bool(jnp.all(a == b))
+            for a, b in zip(jtu.tree_leaves(piece), jtu.tree_leaves(want))
+        ), name
+        assert _nbytes(piece) == _nbytes(want), name
+    dense = dequantized(q)
+    assert tree_allclose(dequantized(got["w[i]"]), dense[2])
+    assert tree_allclose(dequantized(got["w[ids]"]), dense[jnp.array([2, 0])])
+    # One scale per row would have been 4 * 8 * 4 bytes more per layer.
+    per_row = _nbytes(layer) + (ROWS - ROWS // 4) * 4
+    assert _nbytes(got["w[i]"]) < per_row
+
+
+def _lookups(table, ids):
+    from jax import lax
+
+    embedding = eqx.nn.Embedding(weight=table)  # type: ignore[arg-type]
+    return {
+        "table[ids]": table[ids],
+        "dynamic_slice": lax.dynamic_slice(table, (ids[1], 0), (3, COLUMNS)),
+        "vmap(embedding)": jax.vmap(embedding)(ids),
+    }
+
+
+def test_double_quant_embedding_lookup_values_and_derivatives(getseed):
+    # Rows looked up in a double-quantised table (cut out of their blocks) are the
+    # dequantised table's rows; derivatives with respect to the second-level
+    # scales (the float leaves) through a quaxified lookup equal those of the
+    # same lookup in the dense table built from them.
+    table = _stacked_dq(getseed())
+    table = jtu.tree_map(lambda leaf: leaf[0], table)  # (32, 128), 8 blocks of 4 rows
+    ids = jnp.array([5, 17, 0, 31, 6], jnp.int32)  # rows of several blocks
+    weights = randn(getseed(), (COLUMNS,))
+
+    def with_scale(scale):
+        return eqx.tree_at(lambda t: t.scale, table, scale)
+
+    def loss_of(lookups):
+        return sum(jnp.sum(jnp.tanh(v * weights) ** 2) for v in jtu.tree_leaves(lookups))
+
+    def quaxified(scale):
+        return loss_of(quaxlike.quaxify(_lookups)(with_scale(scale), ids))
+
+    def dense(scale):
+        return loss_of(_lookups(with_scale(scale).dequantize(), ids))
+
+    got = eqx.filter_jit(quaxlike.quaxify(_lookups))(table, ids)
+    want = eqx.filter_jit(_lookups)(dequantized(table), ids)
+    assert tree_allclose(got, want)
+    assert tree_allclose(got["table[ids]"], dequantized(table)[ids])
+    # The rows are dense, as the dense table's lookup gives them.
+    assert got["table[ids]"].nbytes == ids.size * COLUMNS * 4
+
+    scale = table.scale
+    tangent = randn(getseed(), scale.shape)
+    grad = jax.jit(jax.grad(quaxified))(scale)
+    want_grad = jax.jit(jax.grad(dense))(scale)
+    assert float(jnp.max(jnp.abs(want_grad))) > 0
+    assert tree_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
+    primal, jvp = jax.jit(lambda s, t: jax.jvp(quaxified, (s,), (t,)))(scale, tangent)
+    want_primal, want_jvp = jax.jit(lambda s, t: jax.jvp(dense, (s,), (t,)))(scale, tangent)
+    assert tree_allclose((primal, jvp), (want_primal, want_jvp), rtol=1e-5, atol=1e-5)
+
+
+def test_double_quant_layer_loop_derivatives(getseed):
+    # Layers taken from the stack by index inside a loop (as benchmarks/_decoder.py's
+    # grouped checkpoints do), each per block: gradient and JVP of the scales
+    # against the dense stack's.
+    from jax import lax
+
+    q = _stacked_dq(getseed())
+    x = randn(getseed(), (COLUMNS,))
+
+    def run(w, x):
+        def layer(h, i):
+            w_i = lax.dynamic_index_in_dim(w, i, keepdims=False)
+            return h + 0.1 * (jnp.tanh(w_i @ h) @ w_i), None
+
+        return jnp.sum(lax.scan(layer, x, jnp.arange(STACK))[0] ** 2)
+
+    def quaxified(scale):
+        return quaxlike.quaxify(run)(eqx.tree_at(lambda w: w.scale, q, scale), x)
+
+    def dense(scale):
+        return run(eqx.tree_at(lambda w: w.scale, q, scale).dequantize(), x)
+
+    assert tree_allclose(jax.jit(quaxified)(q.scale), jax.jit(dense)(q.scale))
+    grad, want = jax.jit(jax.grad(quaxified))(q.scale), jax.jit(jax.grad(dense))(q.scale)
+    assert float(jnp.max(jnp.abs(want))) > 0
+    assert tree_allclose(grad, want, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    tangent = randn(getseed(), q.scale.shape)
+    got_jvp = jax.jit(lambda s, t: jax.jvp(quaxified, (s,), (t,)))(q.scale, tangent)
+    want_jvp = jax.jit(lambda s, t: jax.jvp(dense, (s,), (t,)))(q.scale, tangent)
+    assert tree_allclose(got_jvp, want_jvp, rtol=1e-4, atol=1e-4)
