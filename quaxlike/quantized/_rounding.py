@@ -42,6 +42,7 @@ def grid_for(bits: int | str, group_size: int | None) -> Grid:
         return Grid("nf4", 0, group_size or 64)
     if bits == 8:
         return Grid("int", CODE_MAX[8], None)
+    assert isinstance(bits, int)  # `quantize` checked it
     return Grid("int", CODE_MAX[bits], group_size or 32)
 
 
