@@ -5,3 +5,7 @@ Values; `save_bnb_4bit` and `save_compressed_tensors` write a model's quantised
 weights in the layouts bitsandbytes and compressed-tensors (vLLM) serve."""
 
 from ._load import load_safetensors as load_safetensors
+from ._write import (
+    save_bnb_4bit as save_bnb_4bit,
+    save_compressed_tensors as save_compressed_tensors,
+)

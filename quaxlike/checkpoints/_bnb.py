@@ -17,12 +17,11 @@ from ._source import Source
 
 STATE_KEYS = ("quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4")
 
-_STRADDLE_MSG = (
-    "`load_safetensors`: {name!r} is bitsandbytes 4-bit with blocksize {blocksize}, "
-    "which does not divide its rows of {columns} inputs: a block of absmaxes would "
-    "straddle two rows, and `Bnb4bitArray` keeps whole blocks in each row. Load this "
-    "weight dense instead (dequantise it with bitsandbytes) or leave it out of the "
-    "name map."
+_ODD_MSG = (
+    "`load_safetensors`: {name!r} is bitsandbytes 4-bit with rows of {columns} "
+    "inputs, an odd number: a byte of two codes would straddle two rows, and "
+    "`Bnb4bitArray` keeps whole bytes in each row. Load this weight dense instead "
+    "(dequantise it with bitsandbytes) or leave it out of the name map."
 )
 _SHAPE_MSG = (
     "`load_safetensors`: {name!r} is a bitsandbytes 4-bit weight of shape {theirs} "
@@ -56,19 +55,12 @@ def quant_state(name: str, source: Source) -> dict[str, Any]:
     return json.loads(bytes(source.get(key).astype(np.uint8)).decode("utf-8"))
 
 
-def nested_per_row(
-    nested_absmax: np.ndarray, rows: int, blocks: int, nested_blocksize: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """The second-level absmaxes each row meets, `(rows, m)`, and the position of
-    the row's first absmax in its first second-level block, `(rows, 1)`: absmax
-    `g` of row `r` is number `r * blocks + g` of the flattened weight."""
-    first = np.arange(rows) * blocks
-    start_block = first // nested_blocksize
-    end_block = (first + blocks - 1) // nested_blocksize
-    m = int(np.max(end_block - start_block)) + 1
-    index = np.minimum(start_block[:, None] + np.arange(m), len(nested_absmax) - 1)
-    start = (first % nested_blocksize).astype(np.int32)[:, None]
-    return nested_absmax[index].astype(np.float32), start
+def windows(values: np.ndarray, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """Per row `r`, `values[first[r] : last[r] + 1]`, as a `(rows, m)` array for the
+    longest such run (shorter runs padded with the last value)."""
+    m = int(np.max(last - first)) + 1
+    index = np.minimum(first[:, None] + np.arange(m), len(values) - 1)
+    return values[index]
 
 
 def read_bnb_4bit(name: str, source: Source, path: str, shape: tuple[int, ...]) -> Bnb4bitArray:
@@ -79,30 +71,35 @@ def read_bnb_4bit(name: str, source: Source, path: str, shape: tuple[int, ...]) 
         raise ValueError(_SHAPE_MSG.format(name=name, theirs=theirs, path=path, ours=shape))
     rows, columns = theirs
     blocksize = int(state["blocksize"])
-    if columns % blocksize:
-        raise ValueError(_STRADDLE_MSG.format(name=name, blocksize=blocksize, columns=columns))
-    blocks = columns // blocksize
+    if columns % 2:
+        raise ValueError(_ODD_MSG.format(name=name, columns=columns))
     # Any `quant_storage` dtype holds the same bytes: read them as `uint8`.
     packed = np.ascontiguousarray(source.get(name)).reshape(-1).view(np.uint8)
     packed = packed[: rows * columns // 2].reshape(rows, columns // 2)
-    absmax = source.get(f"{name}.absmax").reshape(rows, blocks)
+    # The blocks each row meets (its own, when `blocksize` divides the row).
+    flat = source.get(f"{name}.absmax").reshape(-1)
+    first = np.arange(rows) * columns
+    first_block, last_block = first // blocksize, (first + columns - 1) // blocksize
+    absmax = windows(flat, first_block, last_block)
     fields: dict[str, Any] = {}
+    if columns % blocksize:
+        fields.update(
+            block_start=jnp.asarray((first % blocksize).astype(np.int32)[:, None]),
+            blocksize=blocksize,
+        )
     if f"{name}.nested_absmax" in source:
         if state.get("nested_dtype", "float32") != "float32":
             raise ValueError(_NESTED_DTYPE_MSG.format(name=name, dtype=state["nested_dtype"]))
-        nested_blocksize = int(state["nested_blocksize"])
-        nested, start = nested_per_row(
-            source.get(f"{name}.nested_absmax").astype(np.float32),
-            rows,
-            blocks,
-            nested_blocksize,
-        )
-        fields = dict(
+        size = int(state["nested_blocksize"])
+        nested_flat = source.get(f"{name}.nested_absmax").astype(np.float32)
+        last_used = first_block + absmax.shape[1] - 1  # padded windows included
+        nested = windows(nested_flat, first_block // size, last_used // size)
+        fields.update(
             nested=jnp.asarray(nested),
-            nested_start=jnp.asarray(start),
+            nested_start=jnp.asarray((first_block % size).astype(np.int32)[:, None]),
             nested_code=jnp.asarray(source.get(f"{name}.nested_quant_map"), jnp.float32),
             offset=jnp.asarray(np.float32(state["nested_offset"])),
-            nested_blocksize=nested_blocksize,
+            nested_blocksize=size,
         )
         absmax = absmax.astype(np.uint8)
     else:

@@ -11,6 +11,7 @@ compressed-tensors dequantises `(q - zero_point) * scale` in the scale's dtype,
 with `q` and `zero_point` signed; `GroupedIntArray` keeps the unsigned codes and
 the zero point plus the same offset, whose difference is the same integer."""
 
+import re
 from typing import Any
 
 import numpy as np
@@ -42,25 +43,35 @@ def is_packed(name: str, source: Source) -> bool:
     return name.endswith("weight") and f"{name}_packed" in source
 
 
-def _weights_args(config: dict[str, Any] | None) -> dict[str, Any]:
-    """The first config group's `weights` arguments (empty without a config)."""
+def _weights_args(config: dict[str, Any] | None, module: str) -> dict[str, Any]:
+    """The `weights` arguments of the config group whose targets name `module`
+    (exactly, or by a `re:` pattern), else of the first group that targets a
+    class of layers (`"Linear"`); empty without a config (the tensors then tell)."""
     if not config:
         return {}
     got = config.get("format", "pack-quantized")
     if got not in (None, "pack-quantized", "mixed-precision"):
         hint = _FORMAT_HINTS.get(got, "")
         raise ValueError(_FORMAT_MSG.format(got=got, hint=hint))
+    by_class = []
     for group in (config.get("config_groups") or {}).values():
-        if group.get("weights"):
-            return dict(group["weights"])
-    return {}
+        if not group.get("weights"):
+            continue
+        for target in group.get("targets") or []:
+            if target == module or (
+                target.startswith("re:") and re.fullmatch(target[3:], module) is not None
+            ):
+                return dict(group["weights"])
+            if not target.startswith("re:") and "." not in target and target[:1].isupper():
+                by_class.append(dict(group["weights"]))
+    return by_class[0] if by_class else {}
 
 
 def read_packed(
     name: str, source: Source, path: str, shape: tuple[int, ...], config: dict | None
 ) -> GroupedIntArray:
     """The weight `name` as a `GroupedIntArray` of shape `shape` `(out, in)`."""
-    args = _weights_args(config)
+    args = _weights_args(config, name[: -len(".weight")])
     if args.get("type", "int") != "int":
         raise ValueError(_CONFIG_MSG.format(name=name, what=f"its codes are {args['type']!r}"))
     out, columns = shape

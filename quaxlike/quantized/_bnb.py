@@ -41,6 +41,10 @@ def _rounded(product: Array) -> Array:
     return jnp.where(jnp.isnan(product), jnp.asarray(jnp.nan, product.dtype), product)
 
 
+# The leaves stored row by row, in `row_leaves`' order (those that are not None).
+_ROW_FIELDS = ("packed", "absmax", "nested", "nested_start", "block_start")
+
+
 class Bnb4bitArray(QuantizedArray):
     """A weight in bitsandbytes' 4-bit layout: NF4 or FP4 codes, one absmax per block
     of `blocksize` consecutive inputs, optionally with the absmaxes themselves
@@ -48,8 +52,11 @@ class Bnb4bitArray(QuantizedArray):
 
     bitsandbytes flattens the weight `(out, in)` row by row and cuts it into
     blocks of `blocksize` values; this type keeps the same bytes seen row by row
-    (blocks must not straddle rows: `in` divisible by `blocksize`, as in every
-    transformer's linear layers). Element `(o, i)` is `code[q] * absmax` in
+    (`in` must be even). Where `blocksize` divides `in` (every transformer's
+    linear layers), row `o` holds its own `in / blocksize` absmaxes; where it
+    does not, blocks straddle rows, and each row holds the absmaxes of the
+    blocks it meets (`absmax` `(*batch, out, m)`) and the position of its first
+    input in the first of them (`block_start`). Element `(o, i)` is `code[q] * absmax` in
     `float32`, cast to bitsandbytes' dtype (the `dtype` of its quant state) and
     then to this array's dtype: bitsandbytes' `dequantize_4bit`, operation for
     operation.
@@ -66,12 +73,16 @@ class Bnb4bitArray(QuantizedArray):
     - `packed`: `uint8`, two codes a byte (first in the high nibble), shape
         `(*batch, out, in // 2)`.
     - `absmax`: `float32` absmaxes, or with nested quantisation their `uint8`
-        codes, shape `(*batch, out, in // blocksize)`.
+        codes, shape `(*batch, out, in // blocksize)` (with `block_start`, `(*batch,
+        out, m)`: the blocks each row meets).
     - `code`: the 16 levels (bitsandbytes' `quant_map`), `float32`.
     - `nested`, `nested_start`, `nested_code`, `offset`: `None`, or the nested
         quantisation's second-level absmaxes seen per row `(*batch, out, m)`,
         each row's first position `(*batch, out, 1)` (`int32`), the 256 levels
         (`nested_quant_map`) and the offset (a `float32` scalar).
+    - `block_start`, `blocksize`: `None`, or where blocks straddle rows the
+        position of each row's first input in its first block, `(*batch, out,
+        1)` (`int32`), and bitsandbytes' `blocksize`.
     - `quant_type`: `"nf4"` or `"fp4"` (for the writers and `explain`).
     - `nested_blocksize`: absmaxes per second-level block (bitsandbytes: 256).
     - `library_dtype`: the dtype bitsandbytes dequantises to.
@@ -101,6 +112,8 @@ class Bnb4bitArray(QuantizedArray):
     nested_start: Int32[Array, "*batch out 1"] | None = None  # noqa: F722
     nested_code: Float[Array, "256"] | None = None
     offset: Float[Array, ""] | None = None  # noqa: F722
+    block_start: Int32[Array, "*batch out 1"] | None = None  # noqa: F722
+    blocksize: int | None = eqx.field(static=True, default=None)
     quant_type: str = eqx.field(static=True, default="nf4")
     nested_blocksize: int = eqx.field(static=True, default=256)
     library_dtype: str = eqx.field(static=True, default="float32")
@@ -118,7 +131,8 @@ class Bnb4bitArray(QuantizedArray):
             and self.packed.dtype == jnp.uint8
             and self.absmax.shape[:-1] == (*batch, out)
             and self.absmax.shape[-1] > 0
-            and (2 * half) % self.absmax.shape[-1] == 0
+            and (self.block_start is not None or (2 * half) % self.absmax.shape[-1] == 0)
+            and (self.block_start is None) == (self.blocksize is None)
             and self.code.shape == (16,)
             and self.absmax.dtype == (jnp.uint8 if nested else jnp.float32)
         )
@@ -156,9 +170,9 @@ class Bnb4bitArray(QuantizedArray):
     @property
     def group_size(self) -> int:
         """bitsandbytes' `blocksize`: inputs per absmax."""
+        if self.blocksize is not None:
+            return self.blocksize
         return 2 * self.packed.shape[-1] // self.absmax.shape[-1]
-
-    blocksize = group_size
 
     @property
     def double_quantized(self) -> bool:
@@ -171,20 +185,14 @@ class Bnb4bitArray(QuantizedArray):
             shape = (*shape[:-2], shape[-1], shape[-2])
         return ShapedArray(shape, jnp.dtype(self.dtype_name or self.library_dtype))
 
+    def _row_fields(self) -> tuple[str, ...]:
+        return tuple(f for f in _ROW_FIELDS if getattr(self, f) is not None)
+
     def row_leaves(self) -> tuple[Array, ...]:
-        if self.nested is None:
-            return self.packed, self.absmax
-        assert self.nested_start is not None
-        return self.packed, self.absmax, self.nested, self.nested_start
+        return tuple(getattr(self, f) for f in self._row_fields())
 
     def with_row_leaves(self, *leaves: Array) -> "Bnb4bitArray":
-        if len(leaves) == 2:
-            packed, absmax = leaves
-            return dataclasses.replace(self, packed=packed, absmax=absmax)
-        packed, absmax, nested, start = leaves
-        return dataclasses.replace(
-            self, packed=packed, absmax=absmax, nested=nested, nested_start=start
-        )
+        return dataclasses.replace(self, **dict(zip(self._row_fields(), leaves)))
 
     def unpack(self, data: Array) -> UInt8[Array, "..."]:  # noqa: F722
         return unpack_high_first(data)
@@ -193,28 +201,35 @@ class Bnb4bitArray(QuantizedArray):
         """The level indices in `[0, 15]` (into `code`), stored layout."""
         return self.unpack(self.packed)
 
-    def block_absmax(self, *scales: Array) -> Array:
-        """The absmaxes `(..., blocks)` in `float32`, from the scale leaves of
-        `row_leaves` (after `packed`): as stored, or bitsandbytes' nested
-        dequantisation `nested_code[a] * nested_absmax + offset`."""
-        if len(scales) == 1:
-            return scales[0]
-        codes, nested, start = scales
+    def block_absmax(self, absmax: Array, nested: Array | None, start: Array | None) -> Array:
+        """The absmaxes `(..., blocks)` in `float32`, from the row leaves: as stored,
+        or bitsandbytes' nested dequantisation `nested_code[a] * nested_absmax +
+        offset` (`nested`, `start`: the row's second-level absmaxes and its first
+        position in them)."""
+        if nested is None or start is None:
+            return absmax
         assert self.nested_code is not None and self.offset is not None
-        blocks = codes.shape[-1]
+        blocks = absmax.shape[-1]
         which = (start + jnp.arange(blocks, dtype=start.dtype)) // self.nested_blocksize
-        second = jnp.take_along_axis(nested, which, axis=-1)
-        return _rounded(self.nested_code[codes] * second) + self.offset
+        second = jnp.take_along_axis(nested, which, axis=-1, mode="clip")
+        return _rounded(self.nested_code[absmax] * second) + self.offset
 
     def dequantize_leaves(self, *leaves: Array) -> Array:
-        data, *scales = leaves
-        absmax = self.block_absmax(*scales)
-        values = self.code[self.unpack(data)]
+        named = dict(zip(self._row_fields(), leaves))
+        absmax = self.block_absmax(named["absmax"], named.get("nested"), named.get("nested_start"))
+        values = self.code[self.unpack(named["packed"])]
         *lead, columns = values.shape
-        blocks = absmax.shape[-1]
-        dense = values.reshape(*lead, blocks, columns // blocks) * absmax[..., None]
-        dense = dense.reshape(*lead, columns).astype(self.library_dtype)
-        return dense.astype(self.dtype)
+        start = named.get("block_start")
+        if start is None:
+            blocks = absmax.shape[-1]
+            dense = values.reshape(*lead, blocks, columns // blocks) * absmax[..., None]
+            dense = dense.reshape(*lead, columns)
+        else:
+            # Blocks that straddle rows: each row holds the absmaxes of the blocks
+            # it meets, and its first input's position in the first of them.
+            which = (start + jnp.arange(columns, dtype=start.dtype)) // self.group_size
+            dense = values * jnp.take_along_axis(absmax, which, axis=-1, mode="clip")
+        return dense.astype(self.library_dtype).astype(self.dtype)
 
     def with_dtype(self, dtype: Any) -> "Bnb4bitArray":
         """A copy whose dequantised values are cast to `dtype` after bitsandbytes'

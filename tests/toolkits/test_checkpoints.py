@@ -195,13 +195,27 @@ def test_errors_name_the_layout(tmp_path):
         load_weight(tmp_path)
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_bnb_4bit_blocks_that_straddle_rows(tmp_path, nested):
+    # Rows of 24 inputs in blocks of 16: rows share blocks; nested blocks of 6.
+    tensors, dense = bnb(np.random.default_rng(10), OUT, 24, blocksize=16, nested=nested)
+    weight = load_safetensors(linear(OUT, 24), write(tmp_path, tensors), {"weight": "proj.weight"})
+    weight = weight.weight
+    assert weight.block_start is not None and weight.group_size == 16
+    np.testing.assert_array_equal(dequantized(weight), dense)
+    # Products and row slices still go a block of rows at a time.
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(24), jnp.float32)
+    y = jax.jit(quaxlike.quaxify(lambda w, x: (w @ x, w[3:7])))(weight, x)
+    np.testing.assert_allclose(y[0], dense @ np.asarray(x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(y[1], dense[3:7])
+
+
 def test_bnb_errors(tmp_path):
-    rng = np.random.default_rng(10)
-    tensors, _ = bnb(rng, OUT, 24, blocksize=16)  # blocks straddle rows of 24
+    tensors, _ = bnb(np.random.default_rng(10), 4, 15, blocksize=4)  # odd rows
     write(tmp_path, tensors)
-    with pytest.raises(ValueError, match="straddle two rows"):
-        load_safetensors(linear(OUT, 24), tmp_path, {"weight": "proj.weight"})
-    with pytest.raises(ValueError, match=r"shape \(16, 24\).*has shape \(16, 64\)"):
+    with pytest.raises(ValueError, match="odd number"):
+        load_safetensors(linear(4, 15), tmp_path, {"weight": "proj.weight"})
+    with pytest.raises(ValueError, match=r"shape \(4, 15\).*has shape \(16, 64\)"):
         load_weight(tmp_path)
     eight = {"proj.weight": np.zeros((OUT, IN), np.int8), "proj.weight.SCB": np.ones(OUT)}
     write(tmp_path, eight)

@@ -1,0 +1,367 @@
+"""Writers: a model's weights into the layouts PyTorch's tools serve, bitsandbytes
+4-bit (transformers with `load_in_4bit`) and compressed-tensors `pack-quantized`
+(vLLM, transformers), so that a model quantised and fine-tuned here runs there."""
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+import quaxlike
+
+from ..quantized import (
+    Bnb4bitArray,
+    GroupedIntArray,
+    Int4Array,
+    Int8Array,
+    NF4_LEVELS,
+    NF4Array,
+    pack_words,
+    QuantizedArray,
+)
+from ..selection import dotted_path, is_value
+from ._bnb import STATE_KEYS
+from ._source import safetensors_module
+
+
+#: The block sizes bitsandbytes' 4-bit kernels take.
+BNB_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+_WRONG_TYPE_MSG = "`{function}`: `{path}` is a {type_name}, which has no {layout} layout. {hint}"
+_HINTS = {
+    "bnb": "Write it with `save_compressed_tensors`, or quantise it with "
+    '`quantize(..., bits="nf4")` (an `NF4Array`).',
+    "ct": "Write it with `save_bnb_4bit` (NF4 and bitsandbytes' own), or quantise it "
+    "with `quantize(..., bits=4)` (an `Int4Array`) or `bits=8`.",
+}
+_BLOCKSIZE_MSG = (
+    "`save_bnb_4bit`: `{path}` has groups of {size} inputs; bitsandbytes' kernels "
+    "take blocks of {sizes}. Quantise it with one of those `group_size`s."
+)
+_TRANSPOSED_MSG = (
+    "`{function}`: `{path}` stands for a transposed weight (`transposed=True`); both "
+    "layouts store `(out, in)`. Name the weight itself, or write a model whose "
+    "kernels are stored `(out, in)`."
+)
+_G_IDX_MSG = (
+    "`save_compressed_tensors`: `{path}` has an act-order `g_idx`; compressed-tensors "
+    "0.20 no longer reads `weight_g_idx` (act-order GROUP was removed), so it cannot "
+    "be written faithfully. Write it with the GPTQ tools instead, or keep it here."
+)
+_NOT_WEIGHT_MSG = (
+    "`save_compressed_tensors`: `{path}` is quantised, so its name must end in "
+    "`weight` (compressed-tensors writes `<module>.weight_packed` beside it); got "
+    "{name!r}."
+)
+
+
+def _named_leaves(model: PyTree, name_map) -> list[tuple[str, str, Any]]:
+    """`(path, name, leaf)` for each leaf the map names, a stack of layers split
+    into one entry per layer (`{}` in the name)."""
+    from ..lora import LowRankValue  # the LoRA base is what these layouts hold
+
+    lookup = name_map if callable(name_map) else name_map.get
+    out = []
+    for key_path, leaf in jtu.tree_flatten_with_path(model, is_leaf=is_value)[0]:
+        path = dotted_path(key_path)
+        name = lookup(path)
+        if name is None:
+            continue
+        if isinstance(leaf, LowRankValue):
+            leaf = leaf.w
+        stacked = name.count("{}")
+        shape = tuple(leaf.shape)
+        if not stacked:
+            out.append((path, name, leaf))
+            continue
+        for index in np.ndindex(*shape[:stacked]):
+            layer = (
+                quaxlike.quaxify(lambda x, i=index: x[i])(leaf) if is_value(leaf) else leaf[index]
+            )
+            out.append((f"{path}[{','.join(map(str, index))}]", name.format(*index), layer))
+    return out
+
+
+def _host(x: Any) -> np.ndarray:
+    return np.asarray(jax.device_get(x))
+
+
+def _save(tensors: dict[str, np.ndarray], file: str | os.PathLike) -> None:
+    st = safetensors_module()
+    directory = os.path.dirname(os.fspath(file))
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    contiguous = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    st.numpy.save_file(contiguous, os.fspath(file), metadata={"format": "pt"})
+
+
+def _write_config(file: str | os.PathLike, config: dict[str, Any]) -> None:
+    """Merge `quantization_config` into `config.json` beside `file`."""
+    path = os.path.join(os.path.dirname(os.fspath(file)) or ".", "config.json")
+    whole = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            whole = json.load(f)
+    whole["quantization_config"] = config
+    with open(path, "w") as f:
+        json.dump(whole, f, indent=2, sort_keys=True)
+
+
+# --- bitsandbytes 4-bit ------------------------------------------------------------
+
+
+def _bnb_tensors(path: str, name: str, w: QuantizedArray) -> tuple[dict, str, bool, str]:
+    """bitsandbytes' tensors for one weight, its quant type, nestedness and dtype."""
+    if w.transposed:
+        raise ValueError(_TRANSPOSED_MSG.format(function="save_bnb_4bit", path=path))
+    out, columns = w.stored_shape
+    state: dict[str, Any] = {"blocksize": w.group_size, "shape": [out, columns]}
+    if w.group_size not in BNB_BLOCKSIZES:
+        raise ValueError(_BLOCKSIZE_MSG.format(path=path, size=w.group_size, sizes=BNB_BLOCKSIZES))
+    if isinstance(w, NF4Array):
+        codes = _host(w.codes())
+        absmax = _host(w.group_absmax(*w.row_leaves()[1:])).astype(np.float32)
+        code = NF4_LEVELS.astype(np.float32)
+        quant_type, nested, dtype = "nf4", False, np.dtype(w.dtype).name
+        tensors = {}
+    else:
+        assert isinstance(w, Bnb4bitArray)
+        codes = _host(w.codes())
+        code = _host(w.code)
+        quant_type, nested, dtype = w.quant_type, w.double_quantized, w.library_dtype
+        tensors = {}
+        blocks = -(-out * columns // w.group_size)
+        first_block = np.arange(out) * columns // w.group_size
+        absmax = _unwindow(_host(w.absmax), first_block, blocks)
+        if nested:
+            assert w.nested is not None
+            size = w.nested_blocksize
+            nested_absmax = _unwindow(_host(w.nested), first_block // size, -(-blocks // size))
+            tensors[f"{name}.nested_absmax"] = nested_absmax
+            tensors[f"{name}.nested_quant_map"] = _host(w.nested_code).astype(np.float32)
+            state.update(
+                nested_blocksize=w.nested_blocksize,
+                nested_dtype="float32",
+                nested_offset=float(_host(w.offset)),
+            )
+    flat = codes.reshape(-1).astype(np.uint8)
+    tensors[name] = ((flat[0::2] << 4) | flat[1::2]).astype(np.uint8)[:, None]
+    tensors[f"{name}.absmax"] = absmax.reshape(-1)
+    tensors[f"{name}.quant_map"] = code
+    state.update(quant_type=quant_type, dtype=dtype)
+    blob = json.dumps(state).encode("utf-8")
+    key = STATE_KEYS[0] if quant_type == "nf4" else STATE_KEYS[1]
+    tensors[f"{name}.{key}"] = np.frombuffer(blob, np.uint8).copy()
+    return tensors, quant_type, nested, dtype
+
+
+def _unwindow(rows: np.ndarray, first: np.ndarray, total: int) -> np.ndarray:
+    """bitsandbytes' flat array of `total` values from per-row windows `(rows, m)`
+    whose entry `j` of row `r` is value `first[r] + j` (the inverse of the
+    reader's `windows`)."""
+    flat = np.zeros(total, rows.dtype)
+    for j in range(rows.shape[1]):
+        index = first + j
+        keep = index < total
+        flat[index[keep]] = rows[keep, j]
+    return flat
+
+
+def save_bnb_4bit(
+    model: PyTree,
+    file: str | os.PathLike,
+    name_map: Mapping[str, str] | Callable[[str], str | None],
+    *,
+    write_config: bool = True,
+) -> dict[str, Any]:
+    """Write a model's weights as a safetensors file in bitsandbytes' 4-bit layout, as
+    transformers' `save_pretrained` writes a model loaded with `load_in_4bit`.
+
+    Each `NF4Array` (from `quantize(..., bits="nf4")` or `qlora`) and each
+    `Bnb4bitArray` (read from such a checkpoint) named by the map is written as
+    bitsandbytes' packed codes, absmaxes, code table and quant state; every
+    other named array as it is (biases, norms, embeddings). A `LoraArray` is
+    written as its base: write its adapter with `save_peft`.
+
+    bitsandbytes then dequantises each weight to the values it has here: an
+    `NF4Array` in `float32` exactly, a `Bnb4bitArray` exactly (its nested
+    statistics kept). A double-quantised `NF4Array` is written with its
+    absmaxes dequantised to `float32` (quaxlike's double quantisation is not
+    bitsandbytes' nested one), which keeps its values.
+
+    **Arguments:**
+
+    - `model`: a PyTree holding the weights.
+    - `file`: the `.safetensors` file to write (its directory is created).
+    - `name_map`: our dotted paths to the checkpoint's names (`"layers.0.weight"`
+        to `"model.layers.0.mlp.up_proj.weight"`), a dict or a function; a
+        stack of layers takes one `{}` per batch axis, as `load_safetensors`.
+    - `write_config`: also write the `quantization_config` into `config.json`
+        beside `file` (merged into one already there).
+
+    **Returns:**
+
+    The `quantization_config` for transformers (`BitsAndBytesConfig`'s fields).
+
+    **Raises:**
+
+    `ValueError` for a quantised weight bitsandbytes has no layout for (an
+    `Int4Array`: see `save_compressed_tensors`), or groups bitsandbytes'
+    kernels do not take.
+    """
+    tensors: dict[str, np.ndarray] = {}
+    kinds = set()
+    for path, name, leaf in _named_leaves(model, name_map):
+        if isinstance(leaf, (NF4Array, Bnb4bitArray)):
+            written, quant_type, nested, dtype = _bnb_tensors(path, name, leaf)
+            tensors.update(written)
+            kinds.add((quant_type, nested, dtype))
+        elif isinstance(leaf, quaxlike.Value):
+            raise ValueError(
+                _WRONG_TYPE_MSG.format(
+                    function="save_bnb_4bit",
+                    path=path,
+                    type_name=type(leaf).__name__,
+                    layout="bitsandbytes 4-bit",
+                    hint=_HINTS["bnb"],
+                )
+            )
+        else:
+            tensors[name] = _host(leaf)
+    quant_type, nested, dtype = sorted(kinds)[0] if kinds else ("nf4", False, "float32")
+    config = {
+        "quant_method": "bitsandbytes",
+        "load_in_4bit": True,
+        "load_in_8bit": False,
+        "bnb_4bit_quant_type": quant_type,
+        "bnb_4bit_use_double_quant": nested,
+        "bnb_4bit_compute_dtype": dtype,
+        "bnb_4bit_quant_storage": "uint8",
+    }
+    _save(tensors, file)
+    if write_config:
+        _write_config(file, config)
+    return config
+
+
+# --- compressed-tensors pack-quantized ----------------------------------------------
+
+
+def _ct_tensors(path: str, name: str, w: QuantizedArray) -> tuple[dict, dict[str, Any]]:
+    """compressed-tensors' tensors for one weight, and its `weights` arguments."""
+    if w.transposed:
+        raise ValueError(_TRANSPOSED_MSG.format(function="save_compressed_tensors", path=path))
+    if not name.endswith("weight"):
+        raise ValueError(_NOT_WEIGHT_MSG.format(path=path, name=name))
+    out, columns = w.stored_shape
+    zeros = None
+    if isinstance(w, Int4Array):
+        bits, codes, scale = 4, _host(w.codes()).astype(np.int32) + 8, _host(w.scale)
+    elif isinstance(w, Int8Array):
+        bits, codes, scale = 8, _host(w.values).astype(np.int32) + 128, _host(w.scale)[:, None]
+    else:
+        assert isinstance(w, GroupedIntArray)
+        if w.g_idx is not None:
+            raise ValueError(_G_IDX_MSG.format(path=path))
+        bits, codes, scale = w.bits, _host(w.codes()), _host(w.scale)
+        zeros = None if w.zero is None else _host(w.zero)
+    groups = scale.shape[-1]
+    tensors = {
+        f"{name}_packed": pack_words(codes, bits),
+        f"{name}_scale": scale,
+        f"{name}_shape": np.array([out, columns], np.int64),
+    }
+    if zeros is not None:
+        # Signed zero points plus the same offset as the codes: the unsigned
+        # zero points themselves, packed along the outputs.
+        tensors[f"{name}_zero_point"] = pack_words(zeros.T, bits).T.copy()
+    args = {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": zeros is None,
+        "strategy": "channel" if groups == 1 else "group",
+        "group_size": None if groups == 1 else columns // groups,
+        "dynamic": False,
+        "actorder": None,
+        "observer": "minmax",
+    }
+    return tensors, args
+
+
+def save_compressed_tensors(
+    model: PyTree,
+    file: str | os.PathLike,
+    name_map: Mapping[str, str] | Callable[[str], str | None],
+    *,
+    write_config: bool = True,
+) -> dict[str, Any]:
+    """Write a model's weights as a safetensors file in compressed-tensors'
+    `pack-quantized` layout, which vLLM and transformers serve.
+
+    Each `Int4Array` (symmetric 4-bit groups), `Int8Array` (symmetric 8-bit
+    channels) and `GroupedIntArray` (any bits, symmetric or not, groups or
+    channels) named by the map is written as `weight_packed`, `weight_scale`,
+    `weight_shape` and, asymmetric, `weight_zero_point`; every other named array
+    as it is. A `LoraArray` is written as its base (its adapter: `save_peft`).
+    compressed-tensors' `decompress` then gives exactly the values the weight
+    has here (in the scales' dtype).
+
+    **Arguments:**
+
+    - `model`: a PyTree holding the weights.
+    - `file`: the `.safetensors` file to write.
+    - `name_map`: our dotted paths to the checkpoint's names; a quantised weight's
+        name ends in `weight` (`"model.layers.0.mlp.up_proj.weight"`).
+    - `write_config`: also write the `quantization_config` into `config.json`
+        beside `file`.
+
+    **Returns:**
+
+    The `quantization_config`: one config group per scheme, its `targets` the
+    modules that use it.
+
+    **Raises:**
+
+    `ValueError` for a quantised weight compressed-tensors has no layout for (an
+    `NF4Array`: see `save_bnb_4bit`) or an act-order `GroupedIntArray`.
+    """
+    tensors: dict[str, np.ndarray] = {}
+    schemes: dict[str, tuple[dict, list[str]]] = {}
+    for path, name, leaf in _named_leaves(model, name_map):
+        if isinstance(leaf, (Int4Array, Int8Array, GroupedIntArray)):
+            written, args = _ct_tensors(path, name, leaf)
+            tensors.update(written)
+            key = json.dumps(args, sort_keys=True)
+            schemes.setdefault(key, (args, []))[1].append(name[: -len(".weight")])
+        elif isinstance(leaf, quaxlike.Value):
+            raise ValueError(
+                _WRONG_TYPE_MSG.format(
+                    function="save_compressed_tensors",
+                    path=path,
+                    type_name=type(leaf).__name__,
+                    layout="compressed-tensors pack-quantized",
+                    hint=_HINTS["ct"],
+                )
+            )
+        else:
+            tensors[name] = _host(leaf)
+    groups = {
+        f"group_{i}": {"targets": sorted(targets), "weights": args}
+        for i, (args, targets) in enumerate(schemes.values())
+    }
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": [],
+    }
+    _save(tensors, file)
+    if write_config:
+        _write_config(file, config)
+    return config
