@@ -10,6 +10,10 @@ and `lora_B` of shape `(out, r)`, stored under
 `(in, out)` (Flax's `kernel`) is the transpose: `lora_B` is `Bᵀ`, `lora_A` is
 `Aᵀ * r / lora_alpha`.
 
+A DoRA adapter (`use_dora=True`) adds one 1-D tensor per module,
+`base_model.model.<module name>.lora_magnitude_vector` (no `.weight`, no adapter
+name): the magnitude `m` of a `DoraArray`, one entry per output row.
+
 Module names are our dotted paths without the weight's name (`layers.0` for
 `layers.0.weight`), or whatever `name_map` makes of them. A stack of layers (a
 weight with leading batch axes, as `lax.scan` over layers uses) is one PEFT module
@@ -37,6 +41,7 @@ import quaxlike
 from ..checkpoints import load_safetensors as load_safetensors  # noqa: F401  (its home)
 from ..selection import dotted_path, is_value
 from ._base import LowRankValue, shape_of
+from ._dora import DoraArray
 from ._value import LoraArray
 
 
@@ -58,6 +63,21 @@ _NO_LORA_MSG = (
     "`save_peft` found no LoraArray in the model: adapt it first with `loraify` or "
     "`qlora` (a `LoraConvKernel` or a `MultiLoraArray` has no PEFT linear layout; for a "
     "stack of adapters, save each one: `save_peft(with_adapter(model, k), ...)`)."
+)
+_MIXED_MSG = (
+    "`save_peft`: the model holds both LoraArrays and DoraArrays, but PEFT's "
+    "`use_dora` is one flag for the whole adapter. Save them apart: select each kind "
+    "with `name_map` (a function returning None for the others)."
+)
+_DORA_KERNEL_MSG = (
+    "`{function}`: `{path}` is a kernel stored `(in, out)`, and a DoRA adapter's "
+    "magnitude is per output row of a weight stored `(out, in)`: DoRA on such kernels "
+    "is not supported. Load or save it on a model whose weight is `(out, in)` (an "
+    "`eqx.nn.Linear`), or pass `transposed=lambda path: False` if it truly is."
+)
+_NO_MAGNITUDE_MSG = (
+    "`load_peft`: the adapter's config has `use_dora=True`, but module {name!r} has "
+    "no `lora_magnitude_vector`; the file is incomplete or not a DoRA adapter."
 )
 _UNSUPPORTED_MSG = (
     "`load_peft`: the adapter's config has {what}, which this loader does not "
@@ -120,8 +140,10 @@ def save_peft(
     transposed: Callable[[str], bool] | None = None,
     dtype: Any = None,
     base_model_name_or_path: str | None = None,
+    use_rslora: bool = False,
 ) -> dict[str, Any]:
-    """Save the LoRA factors of `model` as a PEFT adapter.
+    """Save the LoRA factors of `model` as a PEFT adapter (and the magnitudes of
+    its `DoraArray`s as a DoRA adapter, `use_dora=True`).
 
     Writes `adapter_model.safetensors` (PEFT's tensor names and orientation) and
     `adapter_config.json` (`r`, `lora_alpha`, `target_modules`, and a
@@ -129,7 +151,8 @@ def save_peft(
 
     **Arguments:**
 
-    - `model`: a PyTree holding `LoraArray`s (from `loraify`, `qlora`, `load_peft`).
+    - `model`: a PyTree holding `LoraArray`s, or `DoraArray`s (from `loraify`,
+        `qlora`, `load_peft`; with `dora=True`), not both.
     - `directory`: where to write the two files.
     - `lora_alpha`: PEFT's `lora_alpha`; the update is scaled by `lora_alpha / r`
         when read, so `lora_A` is written divided by it. By default `r` (a scale
@@ -142,6 +165,8 @@ def save_peft(
         default, weights named `kernel` (Flax) are, `weight`s (Equinox) are not.
     - `dtype`: the dtype of the saved tensors (by default, the factors').
     - `base_model_name_or_path`: written to the config, for PEFT's loaders.
+    - `use_rslora`: write an rsLoRA adapter: PEFT scales it by
+        `lora_alpha / sqrt(r)`, so `lora_A` is written times `sqrt(r) / lora_alpha`.
 
     **Returns:**
 
@@ -165,9 +190,14 @@ def save_peft(
     namer = _namer(name_map)
     transposed = transposed or _default_transposed
     found = jtu.tree_flatten_with_path(model, is_leaf=is_value)[0]
-    loras = [(dotted_path(p), x) for p, x in found if type(x) is LoraArray]
+    loras = [(dotted_path(p), x) for p, x in found if type(x) in (LoraArray, DoraArray)]
+    loras = [(path, x) for path, x in loras if namer(path) is not None]
     if not loras:
         raise ValueError(_NO_LORA_MSG)
+    kinds = {type(x) for _, x in loras}
+    if len(kinds) > 1:
+        raise ValueError(_MIXED_MSG)
+    dora = kinds == {DoraArray}
     ranks = Counter(x.rank for _, x in loras)
     r = ranks.most_common(1)[0][0]
     tensors: dict[str, np.ndarray] = {}
@@ -178,11 +208,21 @@ def save_peft(
         if template is None:
             continue
         alpha = float(lora.rank if lora_alpha is None else lora_alpha)
-        factor = lora.rank / alpha
+        factor = (math.sqrt(lora.rank) if use_rslora else lora.rank) / alpha
         a, b = np.asarray(lora.a), np.asarray(lora.b)
         batch = shape_of(lora.w)[:-2]
+        magnitude = None
+        if isinstance(lora, DoraArray):
+            if transposed(path) or lora.transposed:
+                raise ValueError(_DORA_KERNEL_MSG.format(function="save_peft", path=path))
+            magnitude = np.asarray(lora.m)
         for index, name in _names_for(template, batch, path):
             a_i, b_i = a[index], b[index]
+            if magnitude is not None:
+                out_dtype = dtype if dtype is not None else a_i.dtype
+                tensors[f"{PREFIX}{name}.lora_magnitude_vector"] = np.ascontiguousarray(
+                    _as_numpy(magnitude[index], out_dtype)
+                )
             if transposed(path):
                 lora_b, lora_a = b_i.T, a_i.T * factor
             else:
@@ -208,8 +248,8 @@ def save_peft(
         "fan_in_fan_out": False,
         "inference_mode": True,
         "init_lora_weights": True,
-        "use_rslora": False,
-        "use_dora": False,
+        "use_rslora": use_rslora,
+        "use_dora": dora,
         "rank_pattern": rank_pattern,
         "alpha_pattern": {},
         "modules_to_save": None,
@@ -223,13 +263,13 @@ def save_peft(
 
 
 def _read_adapter(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, dict]]:
-    """The config, and `{module name: {"A": lora_A, "B": lora_B}}`."""
+    """The config, and `{module name: {"A": lora_A, "B": lora_B}}` (with `"M"`:
+    `lora_magnitude_vector` for DoRA)."""
     st = _safetensors_numpy()
     with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
         config = json.load(f)
-    for key, what in (("fan_in_fan_out", "fan_in_fan_out=True"), ("use_dora", "use_dora=True")):
-        if config.get(key):
-            raise ValueError(_UNSUPPORTED_MSG.format(what=what))
+    if config.get("fan_in_fan_out"):
+        raise ValueError(_UNSUPPORTED_MSG.format(what="fan_in_fan_out=True"))
     modules: dict[str, dict[str, np.ndarray]] = {}
     for key, tensor in st.load_file(os.path.join(directory, ADAPTER_WEIGHTS)).items():
         name = key[len(PREFIX) :] if key.startswith(PREFIX) else key
@@ -237,7 +277,18 @@ def _read_adapter(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[st
             for marker in (f".lora_{part}.weight", f".lora_{part}.default.weight"):
                 if name.endswith(marker):
                     modules.setdefault(name[: -len(marker)], {})[part] = tensor
+        # PEFT saves `lora_magnitude_vector` bare; in memory it is `.default.weight`.
+        for marker in _MAGNITUDE_MARKERS:
+            if name.endswith(marker):
+                modules.setdefault(name[: -len(marker)], {})["M"] = tensor
     return config, modules
+
+
+_MAGNITUDE_MARKERS = (
+    ".lora_magnitude_vector",
+    ".lora_magnitude_vector.weight",
+    ".lora_magnitude_vector.default.weight",
+)
 
 
 def _scale(config: dict[str, Any], name: str, r: int) -> float:
@@ -256,7 +307,8 @@ def load_peft(
     allow_materialise: bool = False,
     stop_gradient: bool = True,
 ) -> PyTree:
-    """Load a PEFT LoRA adapter onto `model`.
+    """Load a PEFT LoRA adapter onto `model` (a DoRA adapter, `use_dora=True`, as
+    `DoraArray`s).
 
     **Arguments:**
 
@@ -270,7 +322,10 @@ def load_peft(
     **Returns:**
 
     The model with `LoraArray`s whose update is PEFT's `(lora_alpha / r) lora_B
-    @ lora_A` (with `use_rslora`, `lora_alpha / sqrt(r)`).
+    @ lora_A` (with `use_rslora`, `lora_alpha / sqrt(r)`); for a DoRA adapter,
+    `DoraArray`s with that update and PEFT's `lora_magnitude_vector` as their
+    magnitude (`‖W‖²` per row computed once from the base, block by block for a
+    quantised one).
 
     **Raises:**
 
@@ -302,6 +357,7 @@ def load_peft(
         path = dotted_path(key_path)
         template = namer(path) if _is_weight(leaf) else None
         base = leaf.w if isinstance(leaf, LowRankValue) else leaf
+        known_norms = leaf.w_norm_sq if isinstance(leaf, DoraArray) else None
         if template is None:
             out.append(leaf)
             continue
@@ -314,8 +370,15 @@ def load_peft(
         if not all(name in modules for _, name in names):
             out.append(leaf)
             continue
-        a_parts, b_parts = [], []
+        dora = bool(config.get("use_dora"))
+        if dora and transposed(path):
+            raise ValueError(_DORA_KERNEL_MSG.format(function="load_peft", path=path))
+        a_parts, b_parts, m_parts = [], [], []
         for _, name in names:
+            if dora:
+                if "M" not in modules[name]:
+                    raise ValueError(_NO_MAGNITUDE_MSG.format(name=name))
+                m_parts.append(modules[name]["M"])
             lora_a, lora_b = modules[name]["A"], modules[name]["B"]
             r = lora_a.shape[0]
             scale = _scale(config, name, r)
@@ -329,10 +392,13 @@ def load_peft(
         dtype = base.dtype
         a = jnp.asarray(np.stack(a_parts).reshape(*batch, *a_parts[0].shape), dtype)
         b = jnp.asarray(np.stack(b_parts).reshape(*batch, *b_parts[0].shape), dtype)
+        flags = dict(allow_materialise=allow_materialise, stop_gradient=stop_gradient)
         try:
-            new = LoraArray.from_factors(
-                base, a, b, allow_materialise=allow_materialise, stop_gradient=stop_gradient
-            )
+            if dora:
+                m = jnp.asarray(np.stack(m_parts).reshape(*batch, *m_parts[0].shape), dtype)
+                new = DoraArray.from_factors(base, a, b, m, w_norm_sq=known_norms, **flags)
+            else:
+                new = LoraArray.from_factors(base, a, b, **flags)
         except ValueError as error:
             raise ValueError(f"`load_peft`: the adapter of `{path}` ({template}): {error}")
         out.append(new)
@@ -344,7 +410,7 @@ def load_peft(
 
 def _is_weight(leaf: Any) -> bool:
     if isinstance(leaf, LowRankValue):
-        return type(leaf) is LoraArray
+        return type(leaf) in (LoraArray, DoraArray)
     if isinstance(leaf, quaxlike.ArrayValue) or hasattr(leaf, "shape"):
         return len(shape_of(leaf)) >= 2
     return False
