@@ -213,6 +213,22 @@ def save_bnb_4bit(
     `ValueError` for a quantised weight bitsandbytes has no layout for (an
     `Int4Array`: see `save_compressed_tensors`), or groups bitsandbytes'
     kernels do not take.
+
+    !!! example
+
+        ```python
+        import os, tempfile
+        from quaxlike.quantized import quantize
+
+        linear = eqx.nn.Linear(128, 8, key=jr.key(0))
+        model = quantize(linear, bits="nf4", group_size=64)
+        names = {"weight": "proj.weight", "bias": "proj.bias"}
+        with tempfile.TemporaryDirectory() as d:
+            config = save_bnb_4bit(model, os.path.join(d, "model.safetensors"), names)
+            back = load_safetensors(linear, d, names)  # a Bnb4bitArray
+        assert config["bnb_4bit_quant_type"] == "nf4"
+        assert jnp.array_equal(back.weight.dequantize(), model.weight.dequantize())
+        ```
     """
     tensors: dict[str, np.ndarray] = {}
     kinds = set()
@@ -329,6 +345,22 @@ def save_compressed_tensors(
 
     `ValueError` for a quantised weight compressed-tensors has no layout for (an
     `NF4Array`: see `save_bnb_4bit`) or an act-order `GroupedIntArray`.
+
+    !!! example
+
+        ```python
+        import os, tempfile
+        from quaxlike.quantized import quantize
+
+        linear = eqx.nn.Linear(128, 8, key=jr.key(0))
+        model = quantize(linear, bits=4, group_size=32)
+        names = {"weight": "proj.weight", "bias": "proj.bias"}
+        with tempfile.TemporaryDirectory() as d:
+            config = save_compressed_tensors(model, os.path.join(d, "model.safetensors"), names)
+            back = load_safetensors(linear, d, names)  # a GroupedIntArray
+        assert config["format"] == "pack-quantized"
+        assert jnp.array_equal(back.weight.dequantize(), model.weight.dequantize())
+        ```
     """
     tensors: dict[str, np.ndarray] = {}
     schemes: dict[str, tuple[dict, list[str]]] = {}

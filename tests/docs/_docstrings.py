@@ -24,7 +24,7 @@ from quaxlike import _hijax_compat, examples as _examples
 
 
 # Every toolkit but the hijax units, which need JAX's high-level types (below).
-PACKAGES = ["quaxlike", "quaxlike.internal"] + [
+PACKAGES = ["quaxlike", "quaxlike.internal", "quaxlike.checkpoints"] + [
     home for name, home in _examples.HOMES.items() if name != "hijax"
 ]
 if _hijax_compat.AVAILABLE:  # JAX's high-level types: JAX 0.9.2 and later
