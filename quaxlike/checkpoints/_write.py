@@ -69,7 +69,7 @@ def _named_leaves(model: PyTree, name_map) -> list[tuple[str, str, Any]]:
     out = []
     for key_path, leaf in jtu.tree_flatten_with_path(model, is_leaf=is_value)[0]:
         path = dotted_path(key_path)
-        name = lookup(path)
+        name: str | None = lookup(path)  # pyright: ignore[reportAssignmentType]
         if name is None:
             continue
         if isinstance(leaf, LowRankValue):
@@ -80,11 +80,16 @@ def _named_leaves(model: PyTree, name_map) -> list[tuple[str, str, Any]]:
             out.append((path, name, leaf))
             continue
         for index in np.ndindex(*shape[:stacked]):
+            # One layer of the stack (a Value's leaves indexed by its own rules).
             layer = (
-                quaxlike.quaxify(lambda x, i=index: x[i])(leaf) if is_value(leaf) else leaf[index]
+                quaxlike.quaxify(_take)(leaf, index) if is_value(leaf) else np.asarray(leaf)[index]
             )
             out.append((f"{path}[{','.join(map(str, index))}]", name.format(*index), layer))
     return out
+
+
+def _take(x: Any, index: tuple[int, ...]) -> Any:
+    return x[index]
 
 
 def _host(x: Any) -> np.ndarray:

@@ -159,7 +159,7 @@ class Bnb4bitArray(QuantizedArray):
             )
 
     @property
-    def scale(self) -> Array:
+    def scale(self) -> Array:  # pyright: ignore[reportIncompatibleVariableOverride]
         """The first-level absmaxes (`float32`, or their codes when nested)."""
         return self.absmax
 
