@@ -49,6 +49,16 @@ class AWQ:
 
     - `grid`: how many exponents `α = k / grid`, `k = 0 .. grid - 1`, to try
         (20 in the paper).
+
+    !!! example
+
+        ```python
+        linear = eqx.nn.Linear(64, 8, key=jr.key(0))
+        x = jr.normal(jr.key(1), (256, 64)) * jnp.linspace(0.1, 3.0, 64)
+        q = quantize(linear, bits=4, method=AWQ(grid=10), calibration=[x])
+        assert isinstance(q.weight, InputScaled)  # an Int4Array and the input scales
+        y = quaxlike.quaxify(q)(x[0])
+        ```
     """
 
     grid: int = 20

@@ -88,7 +88,18 @@ _UNUSED_MSG = (
 
 class CalibrationError(ValueError):
     """A weight cannot be calibrated as the model uses it, or the calibration data
-    cannot be run: the message says why and the way out."""
+    cannot be run: the message says why and the way out.
+
+    !!! example
+
+        ```python
+        linear = eqx.nn.Linear(64, 8, key=jr.key(0))
+        try:  # one example, not a batch: jax.vmap(linear) maps over its features
+            quantize(linear, bits=4, method="gptq", calibration=[jnp.ones(64)])
+        except CalibrationError as error:
+            assert "leading batch axis" in str(error)
+        ```
+    """
 
 
 class Statistics(NamedTuple):

@@ -50,6 +50,16 @@ class GPTQ:
     - `static_groups`: compute every group's scale from the original weight
         before any rounding, rather than from the updated weight when the
         group's first column is reached.
+
+    !!! example
+
+        ```python
+        linear = eqx.nn.Linear(64, 8, key=jr.key(0))
+        x = jr.normal(jr.key(1), (256, 64)) * jnp.linspace(0.1, 3.0, 64)
+        calibration = [x[:128], x[128:]]  # each run as jax.vmap(linear)(batch)
+        q = quantize(linear, bits=4, method=GPTQ(act_order=True), calibration=calibration)
+        y = quaxlike.quaxify(q)(x[0])  # q.weight is an Int4Array
+        ```
     """
 
     percdamp: float = 0.01
