@@ -39,6 +39,13 @@ only traced (`jax.jit(...).trace`), lowered and compiled, and
 - QLoRA: `qlora(model, bits=4, group_size=64, rank=16)` and `bits=8`, and
   `bits="nf4"` (with `double_quant=True` where `qlora` takes it) where
   `quantize` accepts it (otherwise the row says "unavailable").
+- DoRA (only with `--only` or a full-size model, not in `--quick`'s default
+  rows): `loraify(model, rank=16, dora=True)`, and QDoRA,
+  `qlora(model, bits="nf4", double_quant=True, group_size=64, rank=16,
+  dora=True)`: `DoraArray`s, whose magnitudes train with the factors. The note
+  under the table gives QDoRA's peak, trace and compile time against QLoRA
+  NF4's. `--models small` (a 4-layer, d=512 decoder) with `--execute` on CPU
+  times the compiled steps of DoRA against LoRA.
 
 Peak is `quaxlike.demo.peak_bytes`: arguments + outputs + temporaries - aliased
 (the donated state is aliased to the outputs, so peak is about arguments +
@@ -99,6 +106,11 @@ TIME_TARGET = 1.10  # trace and compile time, LoRA against the hand-written LoRA
 BASELINE = "hand-written LoRA"
 LORA = "LoRA (loraify)"
 NF4 = "QLoRA NF4"
+DORA = "DoRA (loraify dora=True)"
+QDORA = "QDoRA NF4"
+QDORA_TARGET = 1.05  # QDoRA's peak against QLoRA NF4's, at 8B
+# A small decoder for timing compiled steps on CPU (`--models small --execute`).
+SMALL = Shape("small", dim=512, layers=4, heads=8, kv_heads=4, hidden=1408, vocab=4096, seq=256)
 GIB = 2**30
 
 
@@ -158,6 +170,16 @@ VARIANTS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     NF4: (
         lambda m, k: partition(
             qlora(m, bits="nf4", group_size=GROUP, rank=RANK, key=k, **_nf4_options())
+        ),
+        _quaxlike_loss,
+    ),
+    DORA: (
+        lambda m, k: partition(loraify(m, rank=RANK, key=k, dora=True)),
+        _quaxlike_loss,
+    ),
+    QDORA: (
+        lambda m, k: partition(
+            qlora(m, bits="nf4", group_size=GROUP, rank=RANK, key=k, dora=True, **_nf4_options())
         ),
         _quaxlike_loss,
     ),
@@ -336,7 +358,9 @@ def main(argv=None):
         "--repeats", type=int, default=None, help="interleaved trace timings of LoRA and hand (5)"
     )
     parser.add_argument("--cold", action="store_true", help="ignored")
-    parser.add_argument("--models", nargs="+", choices=("70b", "8b", "1b"), default=("8b", "1b"))
+    parser.add_argument(
+        "--models", nargs="+", choices=("70b", "8b", "1b", "small"), default=("8b", "1b")
+    )
     parser.add_argument(
         "--devices",
         nargs="+",
@@ -398,11 +422,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = 1 if args.quick else 5
-    shapes = [SHAPES["tiny"]] if args.quick else [SHAPES[m] for m in args.models]
+    shapes = (
+        [SHAPES["tiny"]]
+        if args.quick
+        else [SMALL if m == "small" else SHAPES[m] for m in args.models]
+    )
     nf4 = nf4_available()
     names = [n for n in rows if not args.only or n in args.only]
     if args.quick and not args.only:  # the smoke test: fewer programs to compile
-        names = [n for n in names if n not in ("full fine-tuning", "QLoRA 8 bits", WHOLE)]
+        names = [
+            n for n in names if n not in ("full fine-tuning", "QLoRA 8 bits", WHOLE, DORA, QDORA)
+        ]
     optimiser = optax.adam(1e-4)
     tiny = chunks_for(SHAPES["tiny"], args)
 
@@ -438,7 +468,7 @@ def main(argv=None):
         memory = memory_options(shape, args)
         results: dict[str, Result | None] = {}
         for name in names:
-            if name == NF4 and not nf4:
+            if name in (NF4, QDORA) and not nf4:
                 results[name] = None
                 continue
             dump = args.dump if name == args.dump_row else None
@@ -506,6 +536,7 @@ def main(argv=None):
                 f"QLoRA 4 bits peak {h.fmt_bytes(q4.peak)}: target ≤ {QLORA4_TARGET / GIB:.1f} GiB "
                 f"({'ok' if q4.peak <= QLORA4_TARGET else 'over'})"
             )
+        notes.extend(dora_notes(results))
         if lora is not None and base is not None:
             worst = max(lora.trace_s / base.trace_s, lora.compile_s / base.compile_s)
             spread = f" (trace paired IQR {paired.spread()})" if paired else ""
@@ -515,6 +546,29 @@ def main(argv=None):
         table.print(notes)
         if args.dump:
             print_live_at_peak(f"{args.dump_row} ({shape.name})", args.dump, h.fmt_bytes)
+
+
+def dora_notes(results: dict[str, Result | None]) -> list[str]:
+    """QDoRA's peak, trace and compile time against QLoRA NF4's, and DoRA's
+    against LoRA's (step time too, with `--execute`)."""
+    notes = []
+    pairs = ((QDORA, NF4, QDORA_TARGET), (DORA, LORA, None))
+    for dora_name, lora_name, target in pairs:
+        dora, lora = results.get(dora_name), results.get(lora_name)
+        if dora is None or lora is None:
+            continue
+        ratio = dora.peak / lora.peak
+        verdict = (
+            f" (target ≤ {target:.2f}: {'ok' if ratio <= target else 'over'})" if target else ""
+        )
+        line = (
+            f"{dora_name} / {lora_name}: peak {ratio:.3f}{verdict}, trace "
+            f"{dora.trace_s / lora.trace_s:.2f}, compile {dora.compile_s / lora.compile_s:.2f}"
+        )
+        if dora.step_s is not None and lora.step_s:
+            line += f", step (run) {dora.step_s / lora.step_s:.2f}"
+        notes.append(line)
+    return notes
 
 
 def sharded_quick_subprocess() -> None:
