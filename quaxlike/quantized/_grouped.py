@@ -45,9 +45,30 @@ def word_shifts(bits: int) -> np.ndarray:
 
 
 def unpack_words(words: Array, bits: int, columns: int | None = None) -> Array:
-    """The `uint8` codes `(..., k * 32 // bits)` of `int32` words `(..., k)`: code
-    `j` of a word in bits `j * bits` to `j * bits + bits - 1` (lowest first), the
-    words in order; cut to `columns` where given."""
+    """The codes packed in `int32` words, as GPTQ, AWQ and compressed-tensors store
+    them: code `j` of a word in bits `j * bits` to `j * bits + bits - 1`, lowest
+    first, the words in order.
+
+    **Arguments:**
+
+    - `words`: `int32` words `(..., k)`.
+    - `bits`: bits per code, 2, 4 or 8.
+    - `columns`: how many codes to keep (the rest pad the last word); by default
+        all `k * 32 // bits`.
+
+    **Returns:**
+
+    The codes as `uint8`, `(..., columns)`.
+
+    !!! example
+
+        ```python
+        from quaxlike.quantized import pack_words
+
+        codes = np.arange(16, dtype=np.uint8).reshape(2, 8)
+        assert np.array_equal(unpack_words(jnp.asarray(pack_words(codes, 4)), 4), codes)
+        ```
+    """
     unsigned = lax.bitcast_convert_type(words, jnp.uint32)
     shifts = jnp.asarray(word_shifts(bits)).reshape((1,) * words.ndim + (-1,))
     codes = (unsigned[..., None] >> shifts) & jnp.uint32(2**bits - 1)
@@ -56,9 +77,26 @@ def unpack_words(words: Array, bits: int, columns: int | None = None) -> Array:
 
 
 def pack_words(codes: np.ndarray, bits: int) -> np.ndarray:
-    """NumPy: unsigned codes `(..., n)` (each below `2**bits`) into `int32` words
-    `(..., ceil(n * bits / 32))`, lowest bits first, the last word padded with
-    zero codes. The inverse of `unpack_words`."""
+    """Pack unsigned codes into `int32` words, as GPTQ, AWQ and compressed-tensors
+    store them (the inverse of `unpack_words`), in NumPy, on the host.
+
+    **Arguments:**
+
+    - `codes`: unsigned integers `(..., n)`, each below `2**bits`.
+    - `bits`: bits per code, 2, 4 or 8.
+
+    **Returns:**
+
+    `int32` words `(..., ceil(n * bits / 32))`, code `j` of a word in bits `j *
+    bits` upwards, the last word padded with zero codes.
+
+    !!! example
+
+        ```python
+        words = pack_words(np.array([[1, 2, 3, 4, 5, 6, 7, 8]]), 4)
+        assert words.dtype == np.int32 and words.view(np.uint32)[0, 0] == 0x87654321
+        ```
+    """
     per_word = 32 // bits
     codes = np.asarray(codes).astype(np.uint32)
     pad = -codes.shape[-1] % per_word
