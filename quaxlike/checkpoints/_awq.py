@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from quaxlike.quantized import GroupedIntArray, pack_words
+from quaxlike.quantized import pack_words
 
 from ._gptq import grouped
+from ._layer import Layer
 from ._packing import unpack_words
 from ._source import Source
 
@@ -59,7 +60,7 @@ def awq_version(config: dict[str, Any] | None) -> None:
 
 def read_awq(
     module: str, source: Source, path: str, shape: tuple[int, ...], config: dict | None
-) -> GroupedIntArray:
+) -> Layer:
     """The weight of `module` (AWQ GEMM) as a `GroupedIntArray` of shape `(out, in)`."""
     awq_version(config)
     out, columns = shape

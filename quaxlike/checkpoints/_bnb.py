@@ -7,11 +7,11 @@ blob in a `uint8` tensor holding the rest of bitsandbytes' `QuantState`."""
 import json
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from quaxlike.quantized import Bnb4bitArray
 
+from ._layer import Layer
 from ._source import Source
 
 
@@ -63,7 +63,7 @@ def windows(values: np.ndarray, first: np.ndarray, last: np.ndarray) -> np.ndarr
     return values[index]
 
 
-def read_bnb_4bit(name: str, source: Source, path: str, shape: tuple[int, ...]) -> Bnb4bitArray:
+def read_bnb_4bit(name: str, source: Source, path: str, shape: tuple[int, ...]) -> Layer:
     """The weight `name` as a `Bnb4bitArray` of shape `shape` `(out, in)`."""
     state = quant_state(name, source)
     theirs = tuple(state["shape"])
@@ -81,12 +81,16 @@ def read_bnb_4bit(name: str, source: Source, path: str, shape: tuple[int, ...]) 
     first = np.arange(rows) * columns
     first_block, last_block = first // blocksize, (first + columns - 1) // blocksize
     absmax = windows(flat, first_block, last_block)
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = dict.fromkeys(
+        ("nested", "nested_start", "nested_code", "offset", "block_start")
+    )
+    static: dict[str, Any] = {
+        "quant_type": state["quant_type"],
+        "library_dtype": str(state["dtype"]),
+    }
     if columns % blocksize:
-        fields.update(
-            block_start=jnp.asarray((first % blocksize).astype(np.int32)[:, None]),
-            blocksize=blocksize,
-        )
+        fields["block_start"] = (first % blocksize).astype(np.int32)[:, None]
+        static["blocksize"] = blocksize
     if f"{name}.nested_absmax" in source:
         if state.get("nested_dtype", "float32") != "float32":
             raise ValueError(_NESTED_DTYPE_MSG.format(name=name, dtype=state["nested_dtype"]))
@@ -95,20 +99,16 @@ def read_bnb_4bit(name: str, source: Source, path: str, shape: tuple[int, ...]) 
         last_used = first_block + absmax.shape[1] - 1  # padded windows included
         nested = windows(nested_flat, first_block // size, last_used // size)
         fields.update(
-            nested=jnp.asarray(nested),
-            nested_start=jnp.asarray((first_block % size).astype(np.int32)[:, None]),
-            nested_code=jnp.asarray(source.get(f"{name}.nested_quant_map"), jnp.float32),
-            offset=jnp.asarray(np.float32(state["nested_offset"])),
-            nested_blocksize=size,
+            nested=nested.astype(np.float32),
+            nested_start=(first_block % size).astype(np.int32)[:, None],
+            nested_code=source.get(f"{name}.nested_quant_map").astype(np.float32),
+            offset=np.asarray(state["nested_offset"], np.float32),
         )
+        static["nested_blocksize"] = size
         absmax = absmax.astype(np.uint8)
     else:
         absmax = absmax.astype(np.float32)
-    return Bnb4bitArray(
-        packed=jnp.asarray(packed),
-        absmax=jnp.asarray(absmax),
-        code=jnp.asarray(source.get(f"{name}.quant_map"), jnp.float32),
-        quant_type=state["quant_type"],
-        library_dtype=str(state["dtype"]),
-        **fields,
+    fields.update(
+        packed=packed, absmax=absmax, code=source.get(f"{name}.quant_map").astype(np.float32)
     )
+    return Layer(Bnb4bitArray, fields, static)

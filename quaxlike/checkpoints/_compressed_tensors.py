@@ -16,9 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from quaxlike.quantized import GroupedIntArray
-
 from ._gptq import drop_trivial_g_idx, grouped
+from ._layer import Layer
 from ._packing import unpack_words
 from ._source import Source
 
@@ -69,7 +68,7 @@ def _weights_args(config: dict[str, Any] | None, module: str) -> dict[str, Any]:
 
 def read_packed(
     name: str, source: Source, path: str, shape: tuple[int, ...], config: dict | None
-) -> GroupedIntArray:
+) -> Layer:
     """The weight `name` as a `GroupedIntArray` of shape `shape` `(out, in)`."""
     args = _weights_args(config, name[: -len(".weight")])
     if args.get("type", "int") != "int":

@@ -15,11 +15,11 @@ stored field at its maximum carries into the next, in GPTQModel as here)."""
 
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from quaxlike.quantized import GroupedIntArray
 
+from ._layer import Layer
 from ._packing import unpack_words
 from ._source import Source
 
@@ -84,25 +84,24 @@ def grouped(
     g_idx: np.ndarray | None,
     bits: int,
     columns: int,
-) -> GroupedIntArray:
-    """A `GroupedIntArray` from stored-layout NumPy arrays `(out, ...)`; zero points
-    equal to the symmetric midpoint everywhere are left out."""
+) -> Layer:
+    """A `GroupedIntArray`'s fields from stored-layout NumPy arrays `(out, ...)`;
+    zero points equal to the symmetric midpoint everywhere are left out."""
     if zeros is not None and np.all(zeros == 2 ** (bits - 1)):
         zeros = None
-    return GroupedIntArray(
-        packed=jnp.asarray(np.ascontiguousarray(codes_words)),
-        scale=jnp.asarray(np.ascontiguousarray(scales)),
-        zero=None if zeros is None else jnp.asarray(np.ascontiguousarray(zeros), jnp.int32),
-        g_idx=None if g_idx is None else jnp.asarray(g_idx),
-        bits=bits,
-        columns=columns,
-    )
+    arrays = {
+        "packed": np.ascontiguousarray(codes_words),
+        "scale": np.ascontiguousarray(scales),
+        "zero": None if zeros is None else np.ascontiguousarray(zeros, np.int32),
+        "g_idx": g_idx,
+    }
+    return Layer(GroupedIntArray, arrays, {"bits": bits, "columns": columns})
 
 
 def read_gptq(
     module: str, source: Source, path: str, shape: tuple[int, ...], config: dict | None
-) -> GroupedIntArray:
-    """The weight of `module` (GPTQ) as a `GroupedIntArray` of shape `(out, in)`:
+) -> Layer:
+    """The weight of `module` (GPTQ) as a `GroupedIntArray`'s fields of shape `(out, in)`:
     `qweight` transposed (its words already hold consecutive inputs), the zero
     points unpacked (and v1's made v2)."""
     out, columns = shape

@@ -18,6 +18,7 @@ from ._awq import read_awq
 from ._bnb import check_not_8bit, is_bnb_4bit, read_bnb_4bit
 from ._compressed_tensors import is_packed, read_packed
 from ._gptq import GPTQ_KEYS, read_gptq
+from ._layer import Layer
 from ._source import open_source, Source
 
 
@@ -123,7 +124,7 @@ def _check_method(layout: str, name: str, config: dict | None) -> None:
 
 def _read_quantized(
     name: str, layout: str, source: Source, path: str, shape: tuple[int, ...]
-) -> QuantizedArray:
+) -> Layer:
     config = source.quantization_config
     if len(shape) != 2:
         raise ValueError(_NOT_MATRIX_MSG.format(name=name, layout=layout, path=path, shape=shape))
@@ -143,39 +144,63 @@ def _read_quantized(
 _SHARED = {"code", "nested_code", "offset"}
 
 
-def _stack(values: list[QuantizedArray], batch: tuple[int, ...], path: str, template: str):
-    """One Value for a stack of layers: each array leaf stacked along new leading
-    axes `batch`, the shared tables kept once (they must agree)."""
-    first = values[0]
+class _Stack:
+    """The layers of a stack gathered field by field into one host buffer each, as
+    they are read (one layer's tensors alive beside the buffers at a time)."""
 
-    def mixed(what: str, other: str) -> ValueError:
+    def __init__(self, first: Layer, count: int, path: str, template: str):
+        self.first, self.path, self.template = first, path, template
+        self.buffers: dict[str, np.ndarray | None] = {}
+        self.g_idx: list[np.ndarray] = []
+        for key, value in first.arrays.items():
+            if value is None or key in _SHARED:
+                self.buffers[key] = value
+            elif key == "g_idx":
+                self.buffers[key] = None
+            else:
+                self.buffers[key] = np.empty((count, *value.shape), value.dtype)
+        self.put(0, first)
+
+    def _mixed(self, what: str, other: str) -> ValueError:
         return ValueError(
-            _MIXED_STACK_MSG.format(path=path, template=template, first=what, other=other)
+            _MIXED_STACK_MSG.format(path=self.path, template=self.template, first=what, other=other)
         )
 
-    out = {}
-    for field in dataclasses.fields(first):
-        leaves = [getattr(v, field.name) for v in values]
-        if field.metadata.get("static", False):
-            if any(x != leaves[0] for x in leaves):
-                other = next(x for x in leaves if x != leaves[0])
-                raise mixed(f"{field.name}={leaves[0]!r}", f"{field.name}={other!r}")
-            out[field.name] = leaves[0]
-        elif all(x is None for x in leaves):
-            out[field.name] = None
-        elif any(x is None or x.shape != leaves[0].shape for x in leaves):
-            raise mixed(f"`{field.name}` {getattr(leaves[0], 'shape', None)}", "another or none")
-        elif field.name in _SHARED or (field.name == "g_idx" and _all_equal(leaves)):
-            if not _all_equal(leaves):
-                raise mixed(f"`{field.name}`", "another table")
-            out[field.name] = leaves[0]
-        else:
-            out[field.name] = jnp.stack(leaves).reshape(*batch, *leaves[0].shape)
-    return dataclasses.replace(first, **out)
+    def put(self, i: int, layer: Layer) -> None:
+        if layer.cls is not self.first.cls or layer.static != self.first.static:
+            raise self._mixed(
+                f"{self.first.cls.__name__} {self.first.static}",
+                f"{layer.cls.__name__} {layer.static}",
+            )
+        for key, value in layer.arrays.items():
+            expected = self.first.arrays[key]
+            if (value is None) != (expected is None):
+                raise self._mixed(f"`{key}` {'absent' if expected is None else 'present'}", "not")
+            if value is None:
+                continue
+            assert expected is not None
+            if value.shape != expected.shape or value.dtype != expected.dtype:
+                raise self._mixed(f"`{key}` {expected.shape}", f"{value.shape}")
+            if key in _SHARED:
+                if not np.array_equal(value, expected):
+                    raise self._mixed(f"`{key}`", "another table")
+            elif key == "g_idx":
+                self.g_idx.append(value)
+            else:
+                buffer = self.buffers[key]
+                assert buffer is not None
+                buffer[i] = value
 
-
-def _all_equal(leaves: list) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(leaves[0])) for x in leaves[1:])
+    def build(self, batch: tuple[int, ...]) -> QuantizedArray:
+        arrays = {
+            k: v if v is None or k in _SHARED else v.reshape(*batch, *v.shape[1:])
+            for k, v in self.buffers.items()
+        }
+        if self.g_idx:
+            same = all(np.array_equal(g, self.g_idx[0]) for g in self.g_idx[1:])
+            stacked = np.stack(self.g_idx).reshape(*batch, -1)
+            arrays["g_idx"] = self.g_idx[0] if same else stacked
+        return Layer(self.first.cls, arrays, self.first.static).build()
 
 
 def _as_leaf_dtype(value: QuantizedArray, leaf: Any) -> QuantizedArray:
@@ -328,7 +353,6 @@ def _quantized_leaf(leaf, path, template, names, layouts, transform, source) -> 
     matrix = shape[len(batch) :]
     if transform is np.transpose:
         matrix = matrix[::-1]
-    values = []
     for (_, name), kind in zip(names, layouts):
         if kind is None:
             raise ValueError(
@@ -336,8 +360,18 @@ def _quantized_leaf(leaf, path, template, names, layouts, transform, source) -> 
                     path=path, template=template, first=layout, other=f"{name} stored dense"
                 )
             )
-        values.append(_read_quantized(name, kind, source, path, matrix))
-    value = _stack(values, batch, path, template) if batch else values[0]
+    if not batch:
+        value = _read_quantized(names[0][1], layouts[0], source, path, matrix).build()
+    else:
+        stack = None
+        for i, ((_, name), kind) in enumerate(zip(names, layouts)):
+            layer = _read_quantized(name, kind, source, path, matrix)
+            if stack is None:
+                stack = _Stack(layer, len(names), path, template)
+            else:
+                stack.put(i, layer)
+        assert stack is not None
+        value = stack.build(batch)
     if transform is np.transpose:
         value = value.swapped()
     return _as_leaf_dtype(value, leaf)

@@ -249,3 +249,19 @@ def test_loaded_values_refuse_to_materialise(tmp_path):
         quaxlike.quaxify(jnp.sin)(weight)
     allowed = load_weight(tmp_path, allow_materialise=True, matmul="fused")
     assert allowed.allow_materialise and allowed.matmul == "fused"
+
+
+def test_reading_is_lazy_and_layer_by_layer(tmp_path, monkeypatch):
+    # Only the named leaves' tensors are copied out of the mapped files, one at a
+    # time: a large tensor nobody names is never read.
+    from quaxlike.checkpoints import _source
+
+    tensors, dense = gptq(np.random.default_rng(13), OUT, IN)
+    tensors["lm_head.weight"] = np.zeros((4096, 1024), np.float32)  # 16 MiB, unnamed
+    write(tmp_path, tensors)
+    read = []
+    original = _source.Source.get
+    monkeypatch.setattr(_source.Source, "get", lambda self, k: read.append(k) or original(self, k))
+    weight = load_weight(tmp_path, dtype=jnp.float16)
+    np.testing.assert_array_equal(dequantized(weight), dense)
+    assert sorted(read) == ["proj.g_idx", "proj.qweight", "proj.qzeros", "proj.scales"]
