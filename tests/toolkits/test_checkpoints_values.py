@@ -75,6 +75,8 @@ def test_products_on_either_side_under_jit(weight):
     # Dequantised a block of rows at a time, never the whole weight.
     jaxpr = jax.make_jaxpr(quaxlike.quaxify(products))(weight, x, xs)
     assert 0 < largest_dequantized(jaxpr) <= OUT * IN // 2
+    report = quaxlike.explain(products)(weight, x, xs)
+    assert not report.materialised and "dot_general_p_quantized_dense" in str(report)
 
 
 def test_grad_and_jvp_with_respect_to_the_input(weight):
