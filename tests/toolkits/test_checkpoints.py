@@ -161,6 +161,9 @@ def test_stacked_layers_and_a_dense_bias(tmp_path):
     ours = jax.jit(quaxlike.quaxify(apply))(got["w"], x)
     theirs = jax.jit(apply)(jnp.asarray(np.stack(denses)), x)
     np.testing.assert_allclose(ours, theirs, rtol=2e-3, atol=2e-3)
+    # Indexing one layer out would leave the per-matrix act-order map behind.
+    with pytest.raises(ValueError, match="act-order `g_idx`.*`lax.scan`"):
+        quaxlike.quaxify(lambda w: w[1] @ x)(got["w"])
 
 
 def test_a_transposed_kernel(tmp_path):
