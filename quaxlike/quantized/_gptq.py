@@ -133,6 +133,8 @@ def _block(grid, w1, u1, fixed, scales, start, group, dtype):
     return codes, errors, scales
 
 
+# `grid` is static: its `code_max` a constant, as in `quantize_int4`, so that the
+# scales are those of round-to-nearest to the last bit.
 @ft.partial(jax.jit, static_argnames=("grid", "block_size", "act_order", "static_groups", "dtype"))
 def _gptq_matrix(
     w, h, percdamp, fixed_scales, *, grid, block_size, act_order, static_groups, dtype

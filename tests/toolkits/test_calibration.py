@@ -123,10 +123,14 @@ def test_stacked_layers_each_get_their_own_statistics():
 # --- GPTQ ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bits", [4, 3])
+@pytest.mark.parametrize("bits", [4, 3, 2])
 def test_gptq_beats_round_to_nearest_on_a_linear(linear, bits):
     rtn = quantize(linear, bits=bits)
-    gptq = quantize(linear, bits=bits, method="gptq", calibration=BATCHES)
+    # At 2 bits (codes -1, 0, 1) a group's scale taken from the weight as updated
+    # can grow past what its codes reach (1.6 times RTN's error here): act-order
+    # fixes the scales beforehand.
+    method = GPTQ(act_order=True) if bits == 2 else "gptq"
+    gptq = quantize(linear, bits=bits, method=method, calibration=BATCHES)
     assert isinstance(gptq.weight, Int4Array) and gptq.weight.group_size == 32
     assert weight_error(linear, gptq) < 0.8 * weight_error(linear, rtn)
     # The model's output is the dequantised weight's.
