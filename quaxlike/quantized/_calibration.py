@@ -24,6 +24,7 @@ The statistics of a weight `(*batch, out, in)`, over the rows `x` (length
 - `rows`: how many rows, `(*batch,)`.
 """
 
+import dataclasses
 import functools as ft
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -49,7 +50,7 @@ _REFUSE_MSG = (
 )
 _AXIS_MSG = (
     "`quantize`: a weight of shape {shape} being calibrated was multiplied along "
-    "axes {axes} of its own, but GPTQ and AWQ quantise groups along the last axis "
+    "axes {axes} of the array it stands for, but GPTQ and AWQ quantise groups along the last axis "
     "(the input axis of an `eqx.nn.Linear` weight `(out, in)`), so they need a "
     "product that contracts exactly that axis (as `weight @ x` does) and keeps the "
     'output axis. Leave this weight out with `where=`, or use `method="rtn"`.'
@@ -121,15 +122,23 @@ class Recording(quaxlike.ArrayValue):
 
     - `weight`: the weight, `(*batch, out, in)`.
     - `gram`, `absum`, `rows`: zeros of the shapes of `Statistics`.
+    - `transposed`: whether it stands for `weight` with its last two axes
+        swapped (`weight.T`, as `x @ weight.T` uses it).
     """
 
     weight: Array
     gram: Array
     absum: Array
     rows: Array
+    transposed: bool = eqx.field(static=True, default=False)
 
     def aval(self) -> ShapedArray:
-        return ShapedArray(self.weight.shape, self.weight.dtype)
+        return ShapedArray(jnp.shape(self.logical()), self.weight.dtype)
+
+    def logical(self) -> Array:
+        """The array this stands for: `weight`, or `weight` with its last two
+        axes swapped (as `weight.T` makes it)."""
+        return jnp.swapaxes(self.weight, -1, -2) if self.transposed else self.weight
 
     def materialise(self) -> Any:
         raise CalibrationError(_REFUSE_MSG.format(shape=tuple(self.weight.shape)))
@@ -205,9 +214,11 @@ def _recorded_product(w: Recording, x, w_on_left: bool, dimension_numbers, param
     w_batch, x_batch = (lb, rb) if w_on_left else (rb, lb)
     ndim = w.weight.ndim
     shape = tuple(w.weight.shape)
+    # The stored input axis, where the array stands for `weight.T`: its axis -2.
+    input_axis = ndim - 2 if w.transposed else ndim - 1
     if any(a < ndim - 2 for a in w_contract):
         raise CalibrationError(_BATCH_MSG.format(shape=shape, axes=tuple(w_contract)))
-    if tuple(w_contract) != (ndim - 1,) or any(a >= ndim - 2 for a in w_batch):
+    if tuple(w_contract) != (input_axis,) or any(a >= ndim - 2 for a in w_batch):
         raise CalibrationError(_AXIS_MSG.format(shape=shape, axes=tuple(w_contract)))
     # Pair the weight's leading axes with `x`'s batch axes, in the weight's order.
     order = sorted(range(len(w_batch)), key=lambda i: w_batch[i])
@@ -215,9 +226,19 @@ def _recorded_product(w: Recording, x, w_on_left: bool, dimension_numbers, param
     paired = [x_batch[i] for i in order]
     rows = [a for a in range(jnp.ndim(x)) if a not in paired and a != x_contract[0]]
     layout = _Layout((*paired, *rows, x_contract[0]), len(paired), kept, shape[:-2])
-    lhs, rhs = (w.weight, x) if w_on_left else (x, w.weight)
+    lhs, rhs = (w.logical(), x) if w_on_left else (x, w.logical())
     product = bind_dot_general(lhs, rhs, dimension_numbers, params)
     return _tap(layout, product, x, w.gram, w.absum, w.rows)
+
+
+@quaxlike.register(lax.transpose_p)
+def transpose_p_recording(x: Recording, *, permutation, **params):
+    k = x.ndim - 2
+    if tuple(permutation[:k]) != tuple(range(k)):
+        return NotImplemented  # moving a stacking axis: refused (materialise)
+    if tuple(permutation[k:]) == (k, k + 1):
+        return x
+    return dataclasses.replace(x, transposed=not x.transposed)
 
 
 @quaxlike.register(lax.dot_general_p)

@@ -79,6 +79,10 @@ def test_statistics_with_a_run_of_ones_own_under_jit(linear):
     x = BATCHES[0]
     np.testing.assert_allclose(stats.gram, 5 * x.T @ x, rtol=1e-5, atol=1e-2)
     assert float(stats.rows) == 256
+    # `x @ W.T`, as a model written for a (in, out) kernel multiplies: the same.
+    transposed = lambda m, b: b @ m.weight.T + m.bias  # noqa: E731
+    _, (same,) = collect_statistics(linear, lambda m: m.weight, BATCHES[:1], transposed, "gptq")
+    np.testing.assert_allclose(same.gram, x.T @ x, rtol=1e-5, atol=1e-2)
 
 
 class Stack(eqx.Module):
