@@ -440,6 +440,13 @@ def row_norms(w: ArrayLike | quaxlike.Value) -> Array:
     **Returns:**
 
     An array of shape `(*batch, out)` of `w`'s dtype.
+
+    !!! example
+
+        ```python
+        w = jnp.array([[3.0, 4.0], [0.0, 1.0]])
+        assert jnp.allclose(row_norms(w), jnp.array([5.0, 1.0]))
+        ```
     """
     dtype = w.dtype if isinstance(w, quaxlike.Value) else jnp.result_type(w)
     return jnp.sqrt(row_norms_squared(w)).astype(dtype)
