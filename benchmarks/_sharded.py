@@ -35,17 +35,13 @@ def make_mesh(n: int):
 def fsdp_rules(mesh) -> list:
     """Every leaf (a Value as one) split along its rows (or columns) over `data`,
     but the token embedding along its features: a lookup in a table split by
-    rows would gather the whole table (1 GiB at 70B, in float32 on XLA:CPU). The
-    blocks' norm weights, a vector per layer stacked `(layers, dim)`, are split
-    along their features too: `fsdp` takes the layer axis for their rows, and a
-    loop that takes a layer by its index (`Decoder(layers_per_checkpoint=k)`)
-    then gathers the whole stack for each layer (0.8 GiB per step at 70B)."""
-    return [
-        ("embedding", P(None, AXIS)),
-        ("blocks.attention_norm", P(None, AXIS)),
-        ("blocks.mlp_norm", P(None, AXIS)),
-        ("**", fsdp(mesh, AXIS)),
-    ]
+    rows would gather the whole table (1 GiB at 70B, in float32 on XLA:CPU).
+    `fsdp` keeps the layer axis of the stacked blocks whole, their norm weights
+    (a vector per layer, `(layers, dim)`) included, which it splits along their
+    features: split along layers, a loop that takes a layer by its index
+    (`Decoder(layers_per_checkpoint=k)`) would gather the whole stack for each
+    layer (0.8 GiB per step at 70B)."""
+    return [("embedding", P(None, AXIS)), ("**", fsdp(mesh, AXIS))]
 
 
 def _with_shardings(tree, shardings):

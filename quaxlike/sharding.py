@@ -13,7 +13,8 @@ factors all split along the same logical rows.
   `quaxlike.with_sharding_constraint`;
 - `shard(model, mesh, rules)`: the model placed that way;
 - the spec rules `fsdp(mesh, axis)` (every weight split along its rows, or its
-  columns, for fully sharded data parallelism), `rows(axis)` and `columns(axis)`
+  columns, for fully sharded data parallelism; the layer axis of stacked layers,
+  read from the model by `stack_depths`, kept whole), `rows(axis)` and `columns(axis)`
   (tensor parallelism); and `gathered(layer, mesh)`, which, called on a layer
   inside the layer loop, gathers its weights (as stored: a quantised weight's
   packed codes, never the dequantised weight) for that layer only.
@@ -40,7 +41,7 @@ from quaxlike.internal import has_explicit_axes
 from .selection import as_selection, dotted_path, is_value, selected
 
 
-__all__ = ["columns", "fsdp", "gathered", "model_shardings", "rows", "shard"]
+__all__ = ["columns", "fsdp", "gathered", "model_shardings", "rows", "shard", "stack_depths"]
 
 SpecRule = (
     PartitionSpec
@@ -71,7 +72,9 @@ def model_shardings(model: PyTree, mesh: Any, rules: Sequence[tuple[Any, SpecRul
         `"blocks.*.weight"`, a module type, `module(...)`, a predicate ...), `spec`
         a `PartitionSpec` of the logical array or a function `(path, shape) ->
         PartitionSpec | None`. The first rule that selects a leaf and gives a spec
-        wins; leaves no rule places are replicated.
+        wins; leaves no rule places are replicated. A function with a method
+        `for_model(model)` (as `fsdp`'s has) is first given the model, and the
+        function that returns is asked instead.
 
     **Returns:**
 
@@ -96,6 +99,10 @@ def model_shardings(model: PyTree, mesh: Any, rules: Sequence[tuple[Any, SpecRul
     leaves, treedef = jtu.tree_flatten_with_path(model, is_leaf=is_value)
     specs: list[PartitionSpec | None] = [None] * len(leaves)
     for where, rule in rules:
+        # A rule that reads the whole model first (`fsdp`: which leaves are stacked
+        # layers) gives the rule to ask of its leaves.
+        for_model = getattr(rule, "for_model", None)
+        rule = for_model(model) if for_model is not None else rule
         for i in selected(model, as_selection(where, "model_shardings"), "model_shardings"):
             if specs[i] is not None:
                 continue
@@ -177,24 +184,41 @@ def _axis_size(mesh: Any, axis: Any) -> int:
     return size
 
 
-def fsdp(mesh: Any, axis: Any = "data", *, min_size: int = 0) -> SpecRule:
+def fsdp(mesh: Any, axis: Any = "data", *, min_size: int = 0, stacked: Any = None) -> SpecRule:
     """A spec rule for fully sharded data parallelism: each leaf split along mesh
     axis `axis` on its rows (the last axis but one), or, where it cannot be
     (`axis`'s size does not divide them, or a Value's leaves cannot follow the
     split), on its last axis, or else, as a last resort asked for by this rule,
-    replicated; leading axes (a stack of layers) are kept whole, so that a layer
-    loop takes one layer at a time.
+    replicated. The leading axes of stacked layers are kept whole, for vectors
+    (a norm's scale, a bias) as for matrices, so that a layer loop takes one
+    layer at a time: a stacked vector `(layers, d)` is split along `d`.
+
+    Which leaves are stacked is read from the model (by `model_shardings` and
+    `shard`): a layer of a known Equinox type (`Linear`, `Embedding`,
+    `LayerNorm`, `RMSNorm`, `GroupNorm`, `Conv`, `ConvTranspose`) whose weight
+    has more axes than its type gives it (`eqx.filter_vmap` stacked it) is
+    stacked along those leading axes, and so is every other array beside it in
+    the same module, or below that module, whose leading axes are the same
+    (the stacked block's own norm scales). A module holding layers stacked
+    differently (a decoder's stack of blocks beside its unstacked output head)
+    stacks none of its own arrays. Where the model has no layer of those types
+    to tell from, say which leaves are stacked with `stacked`.
 
     **Arguments:**
 
     - `mesh`: the mesh (for `axis`'s size).
     - `axis`: the mesh axis (or tuple of them) to split along.
     - `min_size`: leaves with fewer elements are replicated.
+    - `stacked`: `None` (read from the model, as above), or a selection (any
+        `where`: `"blocks.**"`, `path("**").within(Block)`, ...) of the leaves that
+        have one leading axis of stacked layers; no other leaf then has one.
 
     **Returns:**
 
     A function `(path, shape) -> list of PartitionSpec` for `model_shardings`,
-    which takes the first spec the leaf can follow.
+    which takes the first spec the leaf can follow. Called by hand, it knows
+    nothing of stacking: only the shape, whose last two axes are the rows and
+    columns.
 
     !!! example
 
@@ -203,22 +227,152 @@ def fsdp(mesh: Any, axis: Any = "data", *, min_size: int = 0) -> SpecRule:
 
         mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
         assert fsdp(mesh)("layers.weight", (80, 8192, 1024))[0] == P(None, "data", None)
+
+        class Block(eqx.Module):
+            norm: jax.Array
+            linear: eqx.nn.Linear
+
+            def __init__(self, key):
+                self.norm = jnp.ones(64)
+                self.linear = eqx.nn.Linear(64, 64, key=key)
+
+        blocks = eqx.filter_vmap(Block)(jr.split(jr.key(0), 4))  # 4 stacked layers
+        specs = model_shardings(blocks, mesh, [("**", fsdp(mesh))])
+        assert specs.norm.spec == P(None, "data")  # (4, 64): the layers kept whole
+        assert specs.linear.weight.spec == P(None, "data", None)
+        assert specs.linear.bias.spec == P(None, "data")
         ```
     """
-    size = _axis_size(mesh, axis)
+    return _Fsdp(_axis_size(mesh, axis), axis, min_size, stacked)
 
-    def rule(path: str, shape: tuple[int, ...]) -> list[PartitionSpec] | None:
-        if not shape or _count(shape) < max(min_size, 1):
+
+class _Fsdp:
+    """`fsdp`'s rule: `(path, shape)`, and `for_model(model)`, the same rule told
+    how many leading axes of stacked layers each leaf of `model` has."""
+
+    def __init__(
+        self, size: int, axis: Any, min_size: int, stacked: Any, depths: dict | None = None
+    ):
+        self.size, self.axis, self.min_size = size, axis, min_size
+        self.stacked, self.depths = stacked, depths or {}
+
+    def for_model(self, model: PyTree) -> "_Fsdp":
+        if self.stacked is None:
+            depths = stack_depths(model)
+        else:
+            leaves = jtu.tree_flatten_with_path(model, is_leaf=is_value)[0]
+            picked = selected(model, as_selection(self.stacked, "fsdp"), "fsdp")
+            depths = {dotted_path(leaves[i][0]): 1 for i in picked}
+        return _Fsdp(self.size, self.axis, self.min_size, self.stacked, depths)
+
+    def __call__(self, path: str, shape: tuple[int, ...]) -> list[PartitionSpec] | None:
+        if not shape or _count(shape) < max(self.min_size, 1):
             return None
-        axes = [len(shape) - 2, len(shape) - 1] if len(shape) >= 2 else [0]
+        n = len(shape)
+        depth = self.depths.get(path, 0)
+        depth = depth if depth <= n else 0
+        # Rows and columns of the layer's own array, never a stacked axis.
+        if n - depth >= 2:
+            axes = [n - 2, n - 1]
+        else:
+            axes = [depth] if n - depth == 1 else []
         specs = [
-            PartitionSpec(*[axis if j == i else None for j in range(len(shape))])
+            PartitionSpec(*[self.axis if j == i else None for j in range(n)])
             for i in axes
-            if shape[i] % size == 0
+            if shape[i] % self.size == 0
         ]
         return [*specs, PartitionSpec()]
 
-    return rule
+
+# --- which leaves are stacked layers ------------------------------------------------
+
+_MIXED = "mixed"  # a module holding layers stacked in different ways
+
+
+def _weight_rank(node: Any) -> int | None:
+    """How many axes the weight of a layer of a known Equinox type has, unstacked."""
+    if isinstance(node, eqx.nn.Linear | eqx.nn.Embedding):
+        return 2
+    if isinstance(node, eqx.nn.LayerNorm | eqx.nn.RMSNorm):
+        shape = node.shape
+        return len(shape) if isinstance(shape, tuple) else 1
+    if isinstance(node, eqx.nn.GroupNorm):
+        return 1
+    if isinstance(node, eqx.nn.Conv | eqx.nn.ConvTranspose):
+        return node.num_spatial_dims + 2
+    return None
+
+
+def _is_leaf(node: Any) -> bool:
+    # Not "anything with a shape": a `LayerNorm` has one too.
+    return node is None or is_value(node) or isinstance(node, jax.Array | jax.ShapeDtypeStruct)
+
+
+def stack_depths(model: PyTree) -> dict[str, int]:
+    """How many leading axes of stacked layers each leaf of `model` has, by its
+    dotted path (leaves with none left out), as `fsdp` reads them.
+
+    **Arguments:**
+
+    - `model`: a PyTree of arrays and Values (concrete or abstract).
+
+    **Returns:**
+
+    A dict from the dotted path of each stacked leaf to how many of its leading
+    axes are stacked layers.
+
+    !!! example
+
+        ```python
+        class Block(eqx.Module):
+            norm: jax.Array
+            linear: eqx.nn.Linear
+
+            def __init__(self, key):
+                self.norm = jnp.ones(8)
+                self.linear = eqx.nn.Linear(8, 8, key=key)
+
+        model = {"blocks": eqx.filter_vmap(Block)(jr.split(jr.key(0), 3)), "norm": jnp.ones(8)}
+        assert stack_depths(model) == {
+            "blocks.norm": 1, "blocks.linear.weight": 1, "blocks.linear.bias": 1
+        }
+        ```
+    """
+    # The leading shape (the stacked axes) each module's known layers agree on,
+    # `()` unstacked, `_MIXED` where they disagree, `None` where it has none.
+    stacks: dict[tuple, Any] = {}
+    leaves: list[tuple[tuple, tuple[int, ...]]] = []
+
+    def visit(prefix: tuple, node: Any) -> Any:
+        if _is_leaf(node):
+            shape = _shape(node)
+            if shape is not None:
+                leaves.append((prefix, shape))
+            return None
+        children = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+        found = [visit(prefix + tuple(key), child) for key, child in children if key]
+        rank = _weight_rank(node)
+        weight = _shape(getattr(node, "weight", None))
+        if rank is not None and weight is not None and len(weight) >= rank:
+            stack = weight[: len(weight) - rank]  # the layer's own evidence
+        else:
+            known = {f for f in found if f is not None}
+            stack = known.pop() if len(known) == 1 else (_MIXED if known else None)
+        stacks[prefix] = stack
+        return stack
+
+    visit((), model)
+    depths = {}
+    for path, shape in leaves:
+        for end in range(len(path) - 1, -1, -1):  # the nearest module that knows
+            stack = stacks.get(path[:end])
+            if stack is not None:
+                break
+        else:
+            continue
+        if stack != _MIXED and stack and tuple(shape[: len(stack)]) == stack:
+            depths[dotted_path(path)] = len(stack)
+    return depths
 
 
 def _count(shape: tuple[int, ...]) -> int:

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import quaxlike
 from quaxlike.lora import partition, qlora
-from quaxlike.sharding import model_shardings
+from quaxlike.sharding import fsdp, model_shardings
 
 
 pytestmark = pytest.mark.skipif(
@@ -77,3 +77,34 @@ def test_fsdp_grouped_checkpoints_same_loss_and_gradients_and_gathers_codes():
     assert not dequantised_gathers(ops, weight_shapes(SHAPE))
     # One layer's codes at a time, `(rows, in)`: never a group's `(k, rows, in)`.
     assert all(len(op.shape) == 2 for op in gathered if op.dtype == "u8"), gathered
+
+
+def _compiled_memory(model, mesh, rules, tokens):
+    """Arguments and temporaries of the compiled training gradient, per device."""
+    placed = quaxlike.device_put(model, model_shardings(model, mesh, rules))
+    step = jax.jit(jax.value_and_grad(sharded_loss(lambda m, t, y: m.loss(t, y))))
+    memory = step.lower(*partition(placed), tokens, tokens).compile().memory_analysis()
+    return memory.argument_size_in_bytes, memory.temp_size_in_bytes
+
+
+def test_fsdp_places_the_stacked_norms_as_they_were_placed_by_hand():
+    # `fsdp_rules` used to place the blocks' norm weights, `(layers, dim)`, by hand
+    # along their features, since `fsdp` split their layer axis; `fsdp` now keeps
+    # it whole itself: the same placement, the same compiled memory.
+    mesh = make_mesh(8)
+    model = _model(layer_mesh=mesh, layers_per_checkpoint=2)
+    by_hand = [
+        ("embedding", P(None, AXIS)),
+        ("blocks.attention_norm", P(None, AXIS)),
+        ("blocks.mlp_norm", P(None, AXIS)),
+        ("**", fsdp(mesh, AXIS)),
+    ]
+    specs = model_shardings(model, mesh, fsdp_rules(mesh))
+    assert specs.blocks.attention_norm.spec == P(None, AXIS)
+    assert specs.blocks.mlp_norm.spec == P(None, AXIS)
+    leaves = jax.tree_util.tree_leaves
+    assert leaves(specs) == leaves(model_shardings(model, mesh, by_hand))
+    tokens = jax.device_put(jnp.zeros((BATCH, SHAPE.seq), jnp.int32), NamedSharding(mesh, P(AXIS)))
+    now = _compiled_memory(model, mesh, fsdp_rules(mesh), tokens)
+    before = _compiled_memory(model, mesh, by_hand, tokens)
+    assert all(a <= b for a, b in zip(now, before)), (now, before)

@@ -19,7 +19,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import quaxlike
 from quaxlike.lora import partition, qlora
-from quaxlike.sharding import columns, fsdp, gathered, model_shardings, rows, shard
+from quaxlike.selection import path
+from quaxlike.sharding import columns, fsdp, gathered, model_shardings, rows, shard, stack_depths
 
 
 pytestmark = pytest.mark.skipif(
@@ -148,3 +149,96 @@ def test_shard_places_by_rules_and_replicates_the_rest(mesh):
     assert placed.layers.up.weight.w.packed.sharding.spec == P(None, "data")
     assert placed.layers.up.weight.b.sharding.spec == P()
     assert placed.layers.down.weight.w.packed.sharding.is_fully_replicated
+
+
+# --- what `fsdp` splits: the layers of a stack stay whole ---------------------------
+#
+# 8 layers on 8 devices: the layer axis divides, so only reading the stacking keeps
+# a stacked vector `(8, DIM)` from being split along its layers.
+
+STACK = 8
+
+
+class Block(eqx.Module):
+    norm: jax.Array  # a vector per layer: `(STACK, DIM)` once stacked
+    gain: jax.Array  # a scalar per layer: `(STACK,)`
+    up: eqx.nn.Linear  # weight and bias: a matrix and a vector per layer
+
+    def __init__(self, key):
+        self.norm = jnp.ones(DIM)
+        self.gain = jnp.ones(())
+        self.up = eqx.nn.Linear(DIM, HIDDEN, key=key)
+
+
+class Stacked(eqx.Module):
+    embedding: jax.Array  # `(64, DIM)`: unstacked, beside the stack
+    blocks: Block  # stacked
+    norm: jax.Array  # `(DIM,)`: unstacked
+    head: eqx.nn.Linear  # unstacked
+
+    def __init__(self, key):
+        k1, k2, k3 = jr.split(key, 3)
+        self.embedding = jr.normal(k1, (64, DIM))
+        self.blocks = eqx.filter_vmap(Block)(jr.split(k2, STACK))
+        self.norm = jnp.ones(DIM)
+        self.head = eqx.nn.Linear(DIM, STACK, key=k3)  # `(8, DIM)`: 8 rows, not 8 layers
+
+
+def _specs(model, mesh, **options):
+    shardings = model_shardings(model, mesh, [("**", fsdp(mesh, **options))])
+    return jax.tree_util.tree_map(lambda s: s.spec, shardings)
+
+
+def test_fsdp_keeps_stacked_layers_whole_for_vectors_and_matrices(mesh):
+    model = eqx.filter_eval_shape(Stacked, jr.key(0))
+    specs = _specs(model, mesh)
+    # Stacked: the layer axis whole, each layer's vector or matrix split.
+    assert specs.blocks.norm == P(None, "data")
+    assert specs.blocks.up.bias == P(None, "data")
+    assert specs.blocks.up.weight == P(None, "data", None)
+    assert specs.blocks.gain == P()  # a scalar per layer: nothing of a layer to split
+    # Unstacked: a vector and a matrix split along their first (the rows) axis,
+    # also an `(8, DIM)` matrix whose rows number as many as the layers.
+    assert specs.norm == P("data")
+    assert specs.embedding == P("data", None)
+    assert specs.head.weight == P("data", None)
+    assert specs.head.bias == P("data")
+    assert stack_depths(model) == {
+        f"blocks.{name}": 1 for name in ("norm", "gain", "up.weight", "up.bias")
+    }
+    # Called by hand, the rule sees a shape only: `(8, DIM)` is a matrix.
+    assert fsdp(mesh)("blocks.norm", (STACK, DIM))[0] == P("data", None)
+
+
+def test_fsdp_stacking_of_values_and_of_a_stack_alone(mesh):
+    # A stack of QLoRA layers (the weights `LoraArray`s over NF4) read through the
+    # Values' logical shapes; a model holding only the stack and a vector beside it
+    # does not make the vector a stack of scalars.
+    class Model(eqx.Module):
+        blocks: Block
+        norm: jax.Array
+
+    def make(key):
+        blocks = eqx.filter_vmap(Block)(jr.split(key, STACK))
+        return qlora(Model(blocks, jnp.ones(DIM)), bits="nf4", rank=2, key=key)
+
+    model = eqx.filter_eval_shape(make, jr.key(0))
+    specs = _specs(model, mesh)
+    assert specs.blocks.up.weight == P(None, "data", None)
+    assert specs.blocks.norm == P(None, "data")
+    assert specs.norm == P("data")
+
+
+def test_fsdp_stacked_leaves_named_by_hand(mesh):
+    # No layer of a known type to read the stacking from: `stacked=` names it.
+    class Raw(eqx.Module):
+        w: jax.Array
+        norm: jax.Array
+
+    raw = {"blocks": Raw(jnp.ones((STACK, HIDDEN, DIM)), jnp.ones((STACK, DIM)))}
+    assert _specs(raw, mesh)["blocks"].norm == P("data", None)  # read as a matrix
+    specs = _specs(raw, mesh, stacked="blocks.**")
+    assert specs["blocks"].norm == P(None, "data")
+    assert specs["blocks"].w == P(None, "data", None)
+    specs = _specs(raw, mesh, stacked=path("**").within(Raw))
+    assert specs["blocks"].norm == P(None, "data")
