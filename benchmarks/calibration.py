@@ -54,7 +54,7 @@ def divergence(reference, log_p) -> float:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--bits", type=int, nargs="+", default=[4, 3])
     parser.add_argument("--group-size", type=int, default=64)
@@ -88,8 +88,10 @@ def main(argv=None) -> None:
         gaps, kls = {}, {}
         for name, method in methods.items():
             tic = time.perf_counter()
-            extra = {} if method == "rtn" else {"calibration": calibration}
-            q = quantize(model, bits=bits, group_size=args.group_size, method=method, **extra)
+            data = None if method == "rtn" else calibration
+            q = quantize(
+                model, bits=bits, group_size=args.group_size, method=method, calibration=data
+            )
             seconds = time.perf_counter() - tic
             log_p = log_probabilities(q, held_out)
             loss = mean_loss(log_p, held_out)
