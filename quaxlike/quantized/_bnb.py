@@ -231,6 +231,27 @@ class Bnb4bitArray(QuantizedArray):
             dense = values * jnp.take_along_axis(absmax, which, axis=-1, mode="clip")
         return dense.astype(self.library_dtype).astype(self.dtype)
 
+    @property
+    def phases(self) -> int:  # pyright: ignore[reportIncompatibleVariableOverride]
+        """2 (even columns in the high nibbles, odd ones in the low: no shuffling of
+        nibbles into column order) where blocks keep to rows, else 1."""
+        return 1 if self.block_start is not None else 2
+
+    def dequantize_phases(self, *leaves: Array) -> list[Array]:
+        if self.phases == 1:
+            return [self.dequantize_leaves(*leaves)]
+        named = dict(zip(self._row_fields(), leaves))
+        absmax = self.block_absmax(named["absmax"], named.get("nested"), named.get("nested_start"))
+        packed = named["packed"]
+        out = []
+        for nibbles in (packed >> 4, packed & 0xF):  # columns 2k, then 2k + 1
+            values = self.code[nibbles]
+            *lead, half = values.shape
+            blocks = absmax.shape[-1]
+            dense = values.reshape(*lead, blocks, half // blocks) * absmax[..., None]
+            out.append(dense.reshape(*lead, half).astype(self.library_dtype).astype(self.dtype))
+        return out
+
     def with_dtype(self, dtype: Any) -> "Bnb4bitArray":
         """A copy whose dequantised values are cast to `dtype` after bitsandbytes'
         own cast to its dtype."""

@@ -107,6 +107,15 @@ def pack_words(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(words.astype(np.uint32).view(np.int32))
 
 
+def _gathered(x: Array, g_idx: Array) -> Array:
+    """Per-group values `x` `(..., groups)` at the groups `g_idx` `(k,)` (one map
+    for every row) or `(*batch, k)` (one per matrix of a stack)."""
+    if g_idx.ndim == 1:
+        return jnp.take(x, g_idx, axis=-1)
+    g_idx = jnp.broadcast_to(g_idx[..., None, :], (*x.shape[:-1], g_idx.shape[-1]))
+    return jnp.take_along_axis(x, g_idx, axis=-1)
+
+
 class GroupedIntArray(QuantizedArray):
     """A weight of unsigned integer codes with a scale and a zero point per group
     of inputs: `(code - zero) * scale`, the layout of GPTQ, AWQ and
@@ -256,10 +265,7 @@ class GroupedIntArray(QuantizedArray):
         """Per-group values `(..., groups)` spread to the inputs `(..., columns)`."""
         if self.g_idx is None:
             return jnp.repeat(x, self.n_columns // x.shape[-1], axis=-1)
-        if self.g_idx.ndim == 1:
-            return jnp.take(x, self.g_idx, axis=-1)
-        g_idx = jnp.broadcast_to(self.g_idx[..., None, :], (*x.shape[:-1], self.n_columns))
-        return jnp.take_along_axis(x, g_idx, axis=-1)
+        return _gathered(x, self.g_idx)
 
     def dequantize_leaves(self, *leaves: Array) -> Array:
         data, scale, *zero = leaves
@@ -277,6 +283,46 @@ class GroupedIntArray(QuantizedArray):
             zeros = self._per_input(zero[0]).astype(jnp.int32) if zero else offset
             dense = (codes - zeros).astype(scale.dtype) * self._per_input(scale)
         return dense.astype(self.dtype)
+
+    @property
+    def phases(self) -> int:  # pyright: ignore[reportIncompatibleVariableOverride]
+        """Into how many phases a product cuts the columns: one per code of a word
+        (phase `j` is field `j` of every word: no shuffling of codes into column
+        order), where the words hold the columns exactly and a group holds whole
+        words (or an act-order map says the groups); else 1."""
+        per_word = 32 // self.bits
+        columns = self.n_columns
+        if columns != self.packed.shape[-1] * per_word:
+            return 1
+        if self.g_idx is None and (columns // self.scale.shape[-1]) % per_word:
+            return 1
+        return per_word
+
+    def dequantize_phases(self, *leaves: Array) -> list[Array]:
+        phases = self.phases
+        if phases == 1:
+            return [self.dequantize_leaves(*leaves)]
+        data, scale, *zero = leaves
+        words = lax.bitcast_convert_type(data, jnp.uint32)
+        mask = jnp.uint32(2**self.bits - 1)
+        offset = 2 ** (self.bits - 1)
+        out = []
+        for j in range(phases):
+            codes = ((words >> jnp.uint32(self.bits * j)) & mask).astype(jnp.int32)
+            if self.g_idx is None:
+                # Group `g` holds words `g * w` to `g * w + w - 1` of a row.
+                *lead, n_words = codes.shape
+                groups = scale.shape[-1]
+                codes = codes.reshape(*lead, groups, n_words // groups)
+                zeros = zero[0][..., None].astype(jnp.int32) if zero else offset
+                dense = (codes - zeros).astype(scale.dtype) * scale[..., None]
+                dense = dense.reshape(*lead, n_words)
+            else:
+                g_idx = self.g_idx[..., j::phases]
+                zeros = _gathered(zero[0], g_idx).astype(jnp.int32) if zero else offset
+                dense = (codes - zeros).astype(scale.dtype) * _gathered(scale, g_idx)
+            out.append(dense.astype(self.dtype))
+        return out
 
     def with_dtype(self, dtype: Any) -> "GroupedIntArray":
         """A copy whose dequantised values are cast to `dtype` (the arithmetic

@@ -153,14 +153,14 @@ def test_stacked_layers_and_a_dense_bias(tmp_path):
     np.testing.assert_array_equal(dequantized(got["w"]), np.stack(denses))
 
     # A scan over the layers slices every leaf alike, act-order map included.
-    x = jnp.asarray(rng.standard_normal(IN), jnp.float16)
+    x = jnp.asarray(rng.standard_normal(IN), jnp.float32)
 
-    def apply(w, x):
-        return jax.lax.scan(lambda c, w: (c, w @ x), None, w)[1]
+    def apply(w, x):  # in float32: the weights' float16 values, summed in float32
+        return jax.lax.scan(lambda c, w: (c, w.astype(jnp.float32) @ x), None, w)[1]
 
     ours = jax.jit(quaxlike.quaxify(apply))(got["w"], x)
     theirs = jax.jit(apply)(jnp.asarray(np.stack(denses)), x)
-    np.testing.assert_allclose(ours, theirs, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
     # Indexing one layer out would leave the per-matrix act-order map behind.
     with pytest.raises(ValueError, match="act-order `g_idx`.*`lax.scan`"):
         quaxlike.quaxify(lambda w: w[1] @ x)(got["w"])
