@@ -48,6 +48,11 @@ _TRANSPOSED_MSG = (
     "layouts store `(out, in)`. Name the weight itself, or write a model whose "
     "kernels are stored `(out, in)`."
 )
+_STACK_MSG = (
+    "`{function}`: `{path}` has shape {shape}, a stack of matrices; each layer is a "
+    "tensor of its own in these layouts. Give its name one `{{}}` per leading axis "
+    '(`"model.layers.{{}}.mlp.up_proj.weight"`).'
+)
 _G_IDX_MSG = (
     "`save_compressed_tensors`: `{path}` has an act-order `g_idx`; compressed-tensors "
     "0.20 no longer reads `weight_g_idx` (act-order GROUP was removed), so it cannot "
@@ -124,6 +129,8 @@ def _bnb_tensors(path: str, name: str, w: QuantizedArray) -> tuple[dict, str, bo
     """bitsandbytes' tensors for one weight, its quant type, nestedness and dtype."""
     if w.transposed:
         raise ValueError(_TRANSPOSED_MSG.format(function="save_bnb_4bit", path=path))
+    if len(w.stored_shape) != 2:
+        raise ValueError(_STACK_MSG.format(function="save_bnb_4bit", path=path, shape=w.shape))
     out, columns = w.stored_shape
     state: dict[str, Any] = {"blocksize": w.group_size, "shape": [out, columns]}
     if w.group_size not in BNB_BLOCKSIZES:
@@ -279,6 +286,10 @@ def _ct_tensors(path: str, name: str, w: QuantizedArray) -> tuple[dict, dict[str
         raise ValueError(_TRANSPOSED_MSG.format(function="save_compressed_tensors", path=path))
     if not name.endswith("weight"):
         raise ValueError(_NOT_WEIGHT_MSG.format(path=path, name=name))
+    if len(w.stored_shape) != 2:
+        raise ValueError(
+            _STACK_MSG.format(function="save_compressed_tensors", path=path, shape=w.shape)
+        )
     out, columns = w.stored_shape
     zeros = None
     if isinstance(w, Int4Array):

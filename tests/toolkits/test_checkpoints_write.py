@@ -157,6 +157,9 @@ def test_writer_errors(tmp_path):
         save_bnb_4bit(small, file, {"w": "p.weight"})
     with pytest.raises(ValueError, match="must end in `weight`"):
         save_compressed_tensors(int4, file, {"w": "p.kernel"})
+    stack = {"w": quantize_int4(jnp.ones((2, 4, 64)), group_size=32)}
+    with pytest.raises(ValueError, match=r"a stack of matrices.*one `\{\}` per leading axis"):
+        save_compressed_tensors(stack, file, {"w": "p.weight"})
     transposed = {"w": int4["w"].swapped()}
     with pytest.raises(ValueError, match="transposed"):
         save_compressed_tensors(transposed, file, {"w": "p.weight"})
