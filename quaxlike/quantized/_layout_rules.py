@@ -32,9 +32,12 @@ def convert_element_type_p_bnb(x: Bnb4bitArray, *, new_dtype, **params):
 
 def _scaled(x: GroupedIntArray, y: ArrayLike, op):
     # `(code - zero) * (scale * y)` in the scale's dtype: only where that is the
-    # array's dtype too (no later cast for the factor to skip).
+    # array's dtype too (no later cast for the factor to skip). Otherwise the
+    # dense weight (or, by default, the refusal to build it): handing over with
+    # `NotImplemented` would reach every quantised array's rule, which folds the
+    # factor into the scales.
     if jnp.ndim(y) != 0 or x.dtype != x.scale.dtype:
-        return NotImplemented
+        return op(x.materialise(), y)
     return x.with_scale(op(x.scale, jnp.asarray(y, x.scale.dtype)))
 
 
@@ -52,12 +55,12 @@ def div_p_grouped_scalar(x: GroupedIntArray, y: ArrayLike, **params):
 def mul_p_bnb_scalar(x: Bnb4bitArray, y: ArrayLike, **params):
     # A factor folded into the levels or the absmaxes would round differently
     # from bitsandbytes' product followed by the factor: materialise (or refuse).
-    return NotImplemented
+    return lax.mul(x.materialise(), y)
 
 
 @quaxlike.register(lax.div_p)
 def div_p_bnb_scalar(x: Bnb4bitArray, y: ArrayLike, **params):
-    return NotImplemented
+    return lax.div(x.materialise(), y)
 
 
 @quaxlike.register(lax.neg_p)

@@ -184,3 +184,22 @@ def test_dora_over_a_loaded_base(weight):
 
     got = jax.jit(jax.value_and_grad(ours))((a, b, m), x)
     assert tree_allclose(got, jax.value_and_grad(theirs)((a, b, m), x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_scalar_factor(tmp_path):
+    # Folded into the scales where the product is in the scales' dtype; else (a
+    # later cast, or bitsandbytes' float32 product) refused rather than rounded
+    # differently from the dense weight.
+    tensors, dense = gptq(np.random.default_rng(5), OUT, IN)
+    save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
+    half = load_safetensors(
+        {"w": jax.ShapeDtypeStruct((OUT, IN), jnp.float16)}, tmp_path, {"w": "proj.weight"}
+    )["w"]
+    doubled = quaxlike.quaxify(lambda w: w * jnp.float16(2))(half)
+    assert type(doubled) is type(half)
+    np.testing.assert_array_equal(dense_of(doubled), (dense * 2).astype(np.float16))
+    wide = load_safetensors(
+        {"w": jax.ShapeDtypeStruct((OUT, IN), jnp.float32)}, tmp_path, {"w": "proj.weight"}
+    )["w"]
+    with pytest.raises(RuntimeError, match="Refusing to materialise an GroupedIntArray"):
+        quaxlike.quaxify(lambda w: w * 2.0)(wide)
