@@ -30,7 +30,11 @@ keeps, while a type asks for it, how to compute each such value:
   unit type lets them stand beside any quantity). Known where `x`'s value is,
   and also where it follows from the operation alone, whatever the unknown
   inputs: `direction * jnp.inf` is +-inf or NaN for any `direction`, and
-  `jnp.full(n, direction * jnp.inf)` a buffer of them (`_INVARIANT_IF`).
+  `jnp.full(n, direction * jnp.inf)` a buffer of them (`_INVARIANT_IF`); also
+  through the bodies of `jit`s, `cond`s and loops (`_invariant_through_body`:
+  a loop's carry that enters invariant and that its body keeps so, as a
+  solver's output buffer that its loop copies). Where a rule runs a loop's or
+  a `cond`'s body on Values, `_known_values_across` does the same.
 
 The table holds each traced value weakly: an entry goes when its value does,
 so it never keeps a tracer of a finished trace (a loop body, a branch) alive,
@@ -70,6 +74,32 @@ class _MaybeInvariant:
 
 
 _Knowledge = _Computed | _MaybeInvariant
+
+# Whether a value is scale-invariant may rest on an assumption about a loop's
+# carries, made while the loop's fixed point is sought
+# (`_known_values_across.LoopCarries`): each
+# try at it is a pass, and a decision made during a pass is kept in that
+# pass's memo only (the innermost, where a nested loop's are sought within
+# another's), never for good. (A value's computation never rests on one.)
+_passes: list[dict] = []
+
+
+def _decision(decide: Callable[[], Any]) -> Callable[[], Any]:
+    """`decide`, cached: for good outside a pass, for the pass within one."""
+    cache: list = []
+
+    def cached() -> Any:
+        if _passes:
+            memo = _passes[-1]
+            if cached not in memo:
+                memo[cached] = decide()
+            return memo[cached]
+        if not cache:
+            cache.append(decide())
+        return cache[0]
+
+    return cached
+
 
 # id(traced plain value) -> (a weak reference to the value, what is known of it).
 # The reference tells whether the id is still that value's.
@@ -302,7 +332,7 @@ def remember(primitive, inputs, params: dict, outputs) -> None:
         return
     out_avals = [jax.typeof(o) for o in outs]
 
-    @ft.cache
+    @_decision
     def decide() -> list[bool]:
         invariant = [_invariant_of(k) for k in knowledge]
         return _invariant_outputs(primitive, params, invariant, out_avals)
@@ -349,21 +379,29 @@ _INVARIANT_IF: dict[str, Any] = {
         (0,),
     ),
     "select_n": "cases",
+    # Writes: the array and what is written into it (not the indices).
+    **dict.fromkeys(("dynamic_update_slice",), (0, 1)),
+    **dict.fromkeys(("scatter", "scatter-add", "scatter_add"), (0, 2)),
 }
 
 
-# Calls whose outputs are found scale-invariant by following their bodies.
-_CALLS = frozenset({"jit", "pjit", "closed_call"})
+# Calls, loops and branches whose outputs are found scale-invariant by
+# following their bodies.
+_CALLS = frozenset({"jit", "pjit", "closed_call", "cond", "while", "scan"})
 
 
 def _invariant_outputs(primitive, params: dict, invariant: list[bool], outs) -> list[bool]:
     """For each output of `primitive` on inputs of which those marked in
     `invariant` are scale-invariant: whether it is so by the operations alone
-    (`_INVARIANT_IF`, and through the body of a `jit`)."""
-    if not all(_is_float(o) for o in outs):
+    (`_INVARIANT_IF`, and through the bodies of calls, loops and branches)."""
+    floats = [_is_float(o) for o in outs]
+    if primitive.name in _CALLS:
+        found = _invariant_through_body(primitive.name, params, invariant)
+        if found is None or len(found) != len(outs):
+            return [False] * len(outs)
+        return [f and is_float for f, is_float in zip(found, floats)]
+    if not all(floats):
         return [False] * len(outs)
-    if primitive.name in _CALLS and "jaxpr" in params:
-        return _invariant_in_body(params["jaxpr"], invariant)
     how = _INVARIANT_IF.get(primitive.name, False)
     if how is False:
         result = False
@@ -376,6 +414,49 @@ def _invariant_outputs(primitive, params: dict, invariant: list[bool], outs) -> 
     else:
         result = all(invariant[i] for i in how)
     return [result] * len(outs)
+
+
+def _invariant_through_body(name: str, params: dict, invariant: list[bool]) -> list[bool] | None:
+    """`_invariant_outputs` of a call, `cond`, `while` or `scan` equation, by
+    its body (`None` where its params are not as expected). A loop's carry is
+    invariant after it where it enters so and the body keeps it so, assuming
+    the same of the other carries it keeps (the greatest fixed point)."""
+    try:
+        if name == "cond":
+            branches = params["branches"]
+            per_branch = [_invariant_in_body(branch, invariant[1:]) for branch in branches]
+            return [all(outs) for outs in zip(*per_branch)]
+        if name == "while":
+            start, count = params["cond_nconsts"], params["body_nconsts"]
+            consts, init = invariant[start : start + count], invariant[start + count :]
+            body = params["body_jaxpr"]
+            return _loop_fixed_point(lambda c: _invariant_in_body(body, consts + c), init)[0]
+        if name == "scan":
+            num_consts, num_carry = jc.scan_layout(params)
+            consts, rest = invariant[:num_consts], invariant[num_consts:]
+            init, xs = rest[:num_carry], rest[num_carry:]
+            body = params["jaxpr"]
+            carry, outs = _loop_fixed_point(
+                lambda c: _invariant_in_body(body, consts + c + xs), init
+            )
+            return carry + outs[num_carry:]  # a stack of invariant slices is invariant
+        jaxpr = params.get("jaxpr", params.get("call_jaxpr"))
+    except (KeyError, jc.JaxCompatibilityError):  # params of another shape: nothing found
+        return None
+    return None if jaxpr is None else _invariant_in_body(jaxpr, invariant)
+
+
+def _loop_fixed_point(body: Callable[[list[bool]], list[bool]], init: list[bool]):
+    """The carries invariant at every iteration of a loop whose body maps
+    invariant carries to invariant outputs as `body` says (carries first), and
+    the body's outputs with those carries."""
+    assumed = list(init)
+    while True:
+        outs = body(assumed)
+        kept = [a and o for a, o in zip(assumed, outs)]
+        if kept == assumed:
+            return assumed, outs
+        assumed = kept
 
 
 def _invariant_in_body(closed_jaxpr, invariant: list[bool]) -> list[bool]:

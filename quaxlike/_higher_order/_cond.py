@@ -7,6 +7,7 @@ from jax import lax
 from .. import _jax_compat as jc
 from .._diagnostics import BranchMaterialisationError, messages, QuaxlikeError
 from .._known_values import knowledge_of, sharing_knowledge
+from .._known_values_across import BranchOutputs
 from .._quaxify import lifted_call
 from .._rules import register
 from .._values import Value
@@ -32,6 +33,7 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
         signatures: list = [None] * len(branches)
         templates: list = [None] * len(branches)
         declined: set[int] = set()
+        known = BranchOutputs(len(branches))
 
         def make_branch(i):
             if retyped[i]:
@@ -51,12 +53,15 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
                 ]
                 signatures[i] = [type_signature(o) for o in out]
                 templates[i] = [abstract_template(o) if isinstance(o, Value) else None for o in out]
+                known.leaving(i, _plain(out))
                 return out
 
             return branch
 
         try:
-            return lax.switch(index, [make_branch(i) for i in range(len(branches))], *operands)
+            out = lax.switch(index, [make_branch(i) for i in range(len(branches))], *operands)
+            known.exiting(_plain(out))
+            return out
         except QuaxlikeError:
             raise  # ours, from inside a branch: not JAX rejecting the branches' outputs
         except (TypeError, ValueError):
@@ -82,6 +87,11 @@ def cond_p_values(index: AnyValue, *operands: AnyValue, branches, **params):
                     joins[j] = template
                 else:
                     dense.add(j)
+
+
+def _plain(values) -> list:
+    """`values` with each Value as `None`, for `BranchOutputs`."""
+    return [None if isinstance(v, Value) else v for v in values]
 
 
 def _materialise_instead(j: int, joins: dict[int, Value], dense: set[int]) -> None:

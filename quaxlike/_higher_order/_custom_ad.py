@@ -160,6 +160,7 @@ def custom_jvp_call_p_values(*values: AnyValue, fun, jvp, symbolic_zeros: bool, 
         sharing_knowledge(leaves, knowledge)
         out = _Flattened(lifted_call(primal_dense, *inputs.rebuild(leaves)))
         outputs[:] = [out]
+        out_knowledge[:] = [knowledge_of(out.leaves)]
         return out.take_leaves()
 
     def leaf_function_jvp(primals, tangents):
@@ -174,14 +175,17 @@ def custom_jvp_call_p_values(*values: AnyValue, fun, jvp, symbolic_zeros: bool, 
         pairs = [_output_pair(p, t) for p, t in zip(primal_outs, tangent_outs)]
         primal_out = _Flattened([p for p, _ in pairs])
         outputs[:] = [primal_out]
+        out_knowledge[:] = [knowledge_of(primal_out.leaves)]
         p_leaves = primal_out.take_leaves()
         t_leaves = [t for _, leaf_tangents in pairs for t in leaf_tangents]
         return p_leaves, [
             t if _is_inexact(p) else _tangent_zeros_like(p) for p, t in zip(p_leaves, t_leaves)
         ]
 
+    out_knowledge: list = [None]  # what is known of the outputs inside
     leaf_function.defjvp(leaf_function_jvp, symbolic_zeros=True)
     out_leaves = leaf_function(*inputs.take_leaves())
+    sharing_knowledge(out_leaves, out_knowledge[0])  # the same values outside
     return list(outputs[0].rebuild(out_leaves))
 
 
@@ -381,6 +385,7 @@ def custom_vjp_call_p_values(
         sharing_knowledge(leaves, knowledge)
         out = _Flattened(lifted_call(primal_dense, *inputs.rebuild(leaves)))
         outputs[:] = [out]
+        out_knowledge[:] = [knowledge_of(out.leaves)]
         return out.take_leaves()
 
     def leaf_fwd(*primals):
@@ -403,6 +408,7 @@ def custom_vjp_call_p_values(
         residuals = [next(res_out) if f is None else in_values[f] for f in input_fwds]
         out = _Flattened(outs[num_res_out:])
         outputs[:] = [out]
+        out_knowledge[:] = [knowledge_of(out.leaves)]
         res_dynamic, static = eqx.partition(residuals, eqx.is_array)
         residual_static[:] = [static]
         out_leaves = out.take_leaves()
@@ -426,8 +432,10 @@ def custom_vjp_call_p_values(
         return tuple(_leaf_cotangents(inputs, in_leaves, in_cts, in_perturbed[0]))
 
     in_perturbed: list = []
+    out_knowledge: list = [None]  # what is known of the outputs inside
     leaf_function.defvjp(leaf_fwd, leaf_bwd, symbolic_zeros=True)
     out_leaves = leaf_function(*inputs.take_leaves())
+    sharing_knowledge(out_leaves, out_knowledge[0])  # the same values outside
     return list(outputs[0].rebuild(out_leaves))
 
 

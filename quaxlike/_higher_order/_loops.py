@@ -19,6 +19,7 @@ from .._diagnostics import (
     messages,
     QuaxlikeError,
 )
+from .._known_values_across import LoopCarries
 from .._quaxify import lifted_call
 from .._rules import register
 from .._values import checked_aval, describe, Value
@@ -233,6 +234,11 @@ def _densify(values, plan: _CarryPlan, primitive):
     return out
 
 
+def _plain(values) -> list:
+    """`values` with each Value as `None`: the plain carries, for `LoopCarries`."""
+    return [None if isinstance(v, Value) else v for v in values]
+
+
 def _record(record, key, values):
     record[key] = [type_signature(v) for v in values]
     record[key + "_text"] = [_described(v) for v in values]
@@ -312,6 +318,7 @@ def while_p_values(
     def run(plan, record):
         carry = _entering(init, plan, jc.while_p)
         _record(record, "carry_in", carry)
+        known = LoopCarries(_plain(carry))
 
         def cond(c):
             predicate = predicate_of(c)
@@ -320,16 +327,20 @@ def while_p_values(
             return predicate
 
         def body(c):
+            known.entering(c)
             out = body_fun(*body_consts, *c)
             if batched_predicate:
                 predicate = predicate_of(c)
                 out = [_keep_where_false(predicate, n, o) for n, o in zip(out, c)]
             out = _densify(out, plan, jc.while_p)
             _record(record, "carry_out", out)
+            known.leaving(_plain(out))
             return out
 
         rejected = lambda c: [*c, jnp.zeros((), bool)]  # noqa: E731
-        return lax.while_loop(cond, _catching(record, body, rejected), carry)
+        out = lax.while_loop(cond, _catching(record, body, rejected), carry)
+        known.exiting(_plain(out))
+        return out
 
     return _run_with_carry_fallback(jc.while_p, init, run, args)
 
@@ -408,8 +419,10 @@ def scan_p_values(*args: AnyValue, reverse: bool, length: int, jaxpr, unroll=1, 
     def run(plan, record):
         carry = _entering(init, plan, jc.scan_p)
         _record(record, "carry_in", carry)
+        known = LoopCarries(_plain(carry), _plain(xs))
 
         def body(c, x):
+            known.entering(c, x)
             out = body_fun(*consts, *c, *x)
             carry_out = _densify(out[:num_carry], plan, jc.scan_p)
             _record(record, "carry_out", carry_out)
@@ -419,11 +432,13 @@ def scan_p_values(*args: AnyValue, reverse: bool, length: int, jaxpr, unroll=1, 
                 else y
                 for y in out[num_carry:]
             ]
+            known.leaving(_plain(carry_out), _plain(ys))
             return carry_out, ys
 
         rejected = lambda c, x: ([*c, jnp.zeros((), bool)], [])  # noqa: E731
         traced = _catching(record, body, rejected)
         carry_out, ys = lax.scan(traced, carry, xs, length=length, reverse=reverse, unroll=unroll)
+        known.exiting(_plain(carry_out), _plain(ys))
         return [*carry_out, *ys]
 
     return _run_with_carry_fallback(jc.scan_p, init, run, args)
