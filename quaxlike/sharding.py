@@ -184,7 +184,9 @@ def _axis_size(mesh: Any, axis: Any) -> int:
     return size
 
 
-def fsdp(mesh: Any, axis: Any = "data", *, min_size: int = 0, stacked: Any = None) -> SpecRule:
+def fsdp(
+    mesh: Any, axis: Any = "data", *, min_size: int = 0, stacked: Any = None
+) -> Callable[[str, tuple[int, ...]], list[PartitionSpec] | None]:
     """A spec rule for fully sharded data parallelism: each leaf split along mesh
     axis `axis` on its rows (the last axis but one), or, where it cannot be
     (`axis`'s size does not divide them, or a Value's leaves cannot follow the

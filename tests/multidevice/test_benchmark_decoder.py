@@ -84,6 +84,7 @@ def _compiled_memory(model, mesh, rules, tokens):
     placed = quaxlike.device_put(model, model_shardings(model, mesh, rules))
     step = jax.jit(jax.value_and_grad(sharded_loss(lambda m, t, y: m.loss(t, y))))
     memory = step.lower(*partition(placed), tokens, tokens).compile().memory_analysis()
+    assert memory is not None
     return memory.argument_size_in_bytes, memory.temp_size_in_bytes
 
 

@@ -207,7 +207,7 @@ def test_fsdp_keeps_stacked_layers_whole_for_vectors_and_matrices(mesh):
         f"blocks.{name}": 1 for name in ("norm", "gain", "up.weight", "up.bias")
     }
     # Called by hand, the rule sees a shape only: `(8, DIM)` is a matrix.
-    assert fsdp(mesh)("blocks.norm", (STACK, DIM))[0] == P("data", None)
+    assert fsdp(mesh)("blocks.norm", (STACK, DIM)) == [P("data", None), P(None, "data"), P()]
 
 
 def test_fsdp_stacking_of_values_and_of_a_stack_alone(mesh):
