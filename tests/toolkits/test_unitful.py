@@ -611,6 +611,38 @@ def test_fori_loop(getseed):
     assert out.unit == N and tree_allclose(out.array, x.array)
 
 
+def _save_after_the_loop(x, n, step):
+    # A solver's pattern (diffrax's default `SaveAt`): an `inf` buffer goes
+    # through the loop beside the state, which `step` updates, and is written
+    # with the state after it (`n` traced: a `while`).
+    def body(carry):
+        i, state, buffer, count = carry
+        return i + 1, state * 0.5, jnp.copy(buffer), step(count)
+
+    carry = (0, x, jnp.full((2, 3), jnp.inf), jnp.zeros(3))
+    _, state, buffer, count = lax.while_loop(lambda c: c[0] < n, body, carry)
+    return buffer.at[1].set(state), count
+
+
+def test_a_buffer_the_loop_only_copies_takes_the_unit_written_after_it(getseed):
+    x = q(getseed(), (3,), m)
+    saved, _ = jax.jit(quaxlike.quaxify(lambda x, n: _save_after_the_loop(x, n, jnp.copy)))(x, 2)
+    assert saved.unit == m
+    np.testing.assert_array_equal(saved.array[0], np.inf)
+    np.testing.assert_allclose(saved.array[1], x.array / 4)
+
+
+def test_a_carry_the_loop_changes_is_still_a_plain_number_after_it(getseed):
+    # `count` starts at 0, but the body adds 1: not 0 after the loop, so it
+    # is refused beside metres, as any plain number is.
+    def f(x, n):
+        saved, count = _save_after_the_loop(x, n, lambda c: c + 1.0)
+        return saved[1] + count
+
+    with pytest.raises(UnitError, match="`add` got a plain array.*not known while tracing"):
+        jax.jit(quaxlike.quaxify(f))(q(getseed(), (3,), m), 2)
+
+
 def test_readme_example(capsys):
     """The README's example runs as written."""
     readme = pathlib.Path(quaxlike.__file__).parent / "units" / "README.md"
