@@ -214,3 +214,65 @@ def test_a_while_predicate_of_several_leaves_that_refuses_to_materialise_is_name
         quaxlike.MaterialisationError, match="while.*_OpaquePair|_OpaquePair.*while"
     ):
         loop(x)
+
+
+def test_a_submodule_a_quax_shim_registers_under_an_alias_name_is_importable(monkeypatch):
+    # What Quax main's test shim does (the prng example's private `_core`), and the
+    # statement its test_prng.py then runs. `quax.examples.prng` is the home
+    # `quaxlike.prng`, whose `__name__` is not the alias's: the import finds `_core`
+    # only if the home answers names registered under the alias.
+    import types
+
+    import quaxlike.examples.prng as prng
+
+    quax = types.ModuleType("quax")
+    quax.examples = types.ModuleType("quax.examples")
+    quax.examples.prng = prng
+    for name, module in [
+        ("quax", quax),
+        ("quax.examples", quax.examples),
+        ("quax.examples.prng", prng),
+        ("quax.examples.prng._core", prng),
+        ("quaxlike.examples.prng._core", prng),
+    ]:
+        monkeypatch.setitem(sys.modules, name, module)
+
+    import quax.examples.prng._core as prng_core  # noqa: PLC0415
+
+    assert prng_core is prng is quaxlike.prng
+    from quaxlike.examples.prng import _core
+
+    assert _core is prng
+
+
+def test_a_home_answers_only_the_names_registered_under_its_alias():
+    import quaxlike.examples.prng  # noqa: F401
+
+    assert not hasattr(quaxlike.prng, "_core")
+    with pytest.raises(AttributeError, match="module 'quaxlike.prng' has no attribute 'nothing'"):
+        quaxlike.prng.nothing  # noqa: B018
+
+
+def test_a_homes_own_getattr_still_answers_and_is_wrapped_once(monkeypatch):
+    import types
+
+    from quaxlike.examples import _answer_alias_names
+
+    def own(name):
+        if name == "other":
+            return "own other"
+        raise AttributeError(name)
+
+    home = types.ModuleType("home")
+    home.__getattr__ = own  # type: ignore[method-assign]
+    registered = types.ModuleType("alias.sub")
+    monkeypatch.setitem(sys.modules, "alias.sub", registered)
+    _answer_alias_names("alias", home)
+    wrapped = home.__getattr__
+    _answer_alias_names("alias", home)
+
+    assert home.__getattr__ is wrapped
+    assert home.sub is registered
+    assert home.other == "own other"
+    with pytest.raises(AttributeError, match="module 'home' has no attribute 'missing'"):
+        home.missing  # noqa: B018

@@ -5,7 +5,11 @@ Quax keeps its types under `quax.examples`, and a Quax user's
 `quaxlike.examples.lora` *is* the module `quaxlike.lora` (the same object, so
 `isinstance` checks, rule registrations and module state are shared), and so are
 its submodules (`quaxlike.examples.lora._peft is quaxlike.lora._peft`). No code
-lives here.
+lives here. A module that code written for Quax registers by hand under an
+alias's name (`sys.modules["quaxlike.examples.prng._core"] = ...`, as Quax's
+test shims do) is an attribute of the home too, so that `import
+quax.examples.prng._core` finds it as it did when the alias was the module's own
+name.
 
 | Quax-compatible name | home |
 |---|---|
@@ -82,8 +86,35 @@ def _register_loaded_submodules(alias: str, home: str) -> None:
         sys.modules.setdefault(alias + name[len(home) :], sys.modules[name])
 
 
+def _answer_alias_names(alias: str, home: types.ModuleType) -> None:
+    # `import a.b.c as m` looks `c` up as an attribute of `a.b`, and then as
+    # `sys.modules[a.b.__name__ + ".c"]`. The module's `__name__` is the home's,
+    # so a submodule registered by hand under the alias's name only (a Quax test
+    # shim's `quaxlike.examples.prng._core`) would be found by neither: the home
+    # answers such a name from `sys.modules` under the alias, after its own
+    # attributes and its own `__getattr__` (if it has one) have not.
+    previous = home.__dict__.get("__getattr__")
+    if getattr(previous, "_alias_of", None) == alias:
+        return
+
+    def __getattr__(name: str):
+        if previous is not None:
+            try:
+                return previous(name)
+            except AttributeError:
+                pass
+        registered = sys.modules.get(f"{alias}.{name}")
+        if registered is None:
+            raise AttributeError(f"module {home.__name__!r} has no attribute {name!r}")
+        return registered
+
+    __getattr__._alias_of = alias  # type: ignore[attr-defined]
+    home.__getattr__ = __getattr__  # type: ignore[method-assign]
+
+
 class _AliasLoader(importlib.abc.Loader):
-    """Gives the home module itself for an alias, leaving it as it was."""
+    """Gives the home module itself for an alias. The home keeps its name and
+    contents; it only learns to answer the names registered under the alias."""
 
     def __init__(self, alias: str, home: str):
         self.alias = alias
@@ -100,6 +131,7 @@ class _AliasLoader(importlib.abc.Loader):
         # module back its own, so that it reads as the module it is.
         module.__spec__ = self.home_spec
         _register_loaded_submodules(self.alias, self.home)
+        _answer_alias_names(self.alias, module)
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder):
