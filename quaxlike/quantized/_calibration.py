@@ -8,7 +8,7 @@ backward pass gives, as the cotangents of the probes, the statistics of the
 inputs it saw. `collect_statistics` pulls a zero cotangent back through
 `quaxify(run)(model, batch)` and reads them off the probes' cotangents. So they
 come out of every transformation JAX can differentiate through (tested: `jit`,
-`vmap`, and `lax.scan` over a stack of layers, which slices the probes with the
+`vmap`, `jax.checkpoint`, `lax.cond`, and `lax.scan` over a stack of layers, which slices the probes with the
 weights, so that each layer's statistics land in its own slice); a
 weight used several times sums the statistics of all its uses, which is the
 objective of its output error summed over them. The price is one backward pass

@@ -85,6 +85,21 @@ def test_statistics_with_a_run_of_ones_own_under_jit(linear):
     np.testing.assert_allclose(same.gram, x.T @ x, rtol=1e-5, atol=1e-2)
 
 
+def test_statistics_through_remat_and_cond(linear):
+    # Only the branch taken records; `jax.checkpoint` recomputes, records once.
+    def run(m, b):
+        remat = jax.checkpoint(lambda b: jax.vmap(m)(b))
+        doubled = lambda b: jax.vmap(m)(2 * b)  # noqa: E731
+        return lax.cond(jnp.sum(b[:, 0]) > 0, remat, doubled, b)
+
+    # `x` and `-x` take opposite branches: x xᵀ from one, (2x)(2x)ᵀ from the
+    # other (both branches recording would give 10 x xᵀ).
+    x = BATCHES[0]
+    _, (stats,) = collect_statistics(linear, lambda m: m.weight, [x, -x], run, "gptq")
+    np.testing.assert_allclose(stats.gram, 5 * x.T @ x, rtol=1e-5, atol=1e-2)
+    assert float(stats.rows) == 256
+
+
 class Stack(eqx.Module):
     """Layers made by `eqx.filter_vmap`, applied in a `lax.scan` over the stack."""
 
