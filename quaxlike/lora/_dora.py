@@ -399,25 +399,32 @@ def dora_norm(w: Any, a: Any, b: Any, w_norm_sq: Any) -> Array:
     An array of shape `(*batch, out)` behind `lax.stop_gradient`, in float32 or
     wider.
     """
-    acc = _accumulation_dtype(w_norm_sq.dtype)
 
     def norm(w, a, b, w_norm_sq):
         bt = jnp.swapaxes(b, -1, -2).astype(w.dtype)
-        cross = jnp.matmul(w, bt).astype(acc)  # W Bᵀ, (*batch, out, r)
-        a = a.astype(acc)
-        b = b.astype(acc)
-        gram = jnp.matmul(b, jnp.swapaxes(b, -1, -2))  # (*batch, r, r)
-        squared = (
-            w_norm_sq.astype(acc)
-            + 2 * jnp.sum(a * cross, axis=-1)
-            + jnp.sum(jnp.matmul(a, gram) * a, axis=-1)
-        )
-        # Round-off can leave a (nearly) zero row's n² a little below zero.
-        return jnp.sqrt(jnp.maximum(squared, 0))
+        return norm_from_cross(jnp.matmul(w, bt), a, b, w_norm_sq)  # W Bᵀ: the base's rule
 
     stop = lambda x: lax.stop_gradient(x) if eqx.is_array(x) else x  # noqa: E731
     w, a, b, w_norm_sq = jax.tree_util.tree_map(stop, (w, a, b, w_norm_sq))
     return lax.stop_gradient(quaxlike.quaxify(norm)(w, a, b, w_norm_sq))
+
+
+def norm_from_cross(cross: Any, a: Any, b: Any, w_norm_sq: Any) -> Array:
+    """`‖W + A B‖` per row from `‖W‖²`, the cross product `W Bᵀ` `(*batch, out, r)`,
+    and the factors (`A B`'s part from the Gram matrix `B Bᵀ`), detached.
+
+    Round-off can leave a (nearly) zero row's `n²` a little below zero: it is
+    clipped at zero before the square root.
+    """
+    acc = _accumulation_dtype(w_norm_sq.dtype)
+    cross, a, b = (lax.stop_gradient(v).astype(acc) for v in (cross, a, b))
+    gram = jnp.matmul(b, jnp.swapaxes(b, -1, -2))  # (*batch, r, r)
+    squared = (
+        lax.stop_gradient(w_norm_sq).astype(acc)
+        + 2 * jnp.sum(a * cross, axis=-1)
+        + jnp.sum(jnp.matmul(a, gram) * a, axis=-1)
+    )
+    return lax.stop_gradient(jnp.sqrt(jnp.maximum(squared, 0)))
 
 
 def _magnitude(magnitude: Any, w_norm_sq: Array, shape: tuple, dtype: Any) -> Array:

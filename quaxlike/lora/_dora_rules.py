@@ -19,7 +19,7 @@ from jaxtyping import ArrayLike
 import quaxlike
 from quaxlike.internal import bind_dot_general, cached_rule, dot_general_labels
 
-from ._dora import DoraArray
+from ._dora import DoraArray, norm_from_cross
 
 
 # --- matrix products ---------------------------------------------------------
@@ -47,8 +47,54 @@ def _labels(dora: DoraArray, other, dora_on_left: bool, dimension_numbers):
     return list(other_labels), list(out_labels), [*dora_labels[:-2], row]
 
 
+def _shared_columns(
+    dora: DoraArray, other, dora_on_left: bool, dimension_numbers
+) -> tuple[int, bool] | None:
+    """For `D x` (or `x Dᵀ`) with an array `x` of the input axis and at most one
+    free axis (what a `Linear` binds, over one token or a batch of them): the axis
+    of `x` contracted with `W`'s input axis, and whether the result is `(n, out)`
+    rather than `(out, n)`; else None."""
+    (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers
+    if dora.ndim != 2 or lhs_b or rhs_b:
+        return None
+    if isinstance(other, quaxlike.Value) or jnp.ndim(other) not in (1, 2):
+        return None
+    if dora_on_left and not dora.transposed and tuple(lhs_c) == (1,) and len(rhs_c) == 1:
+        return int(rhs_c[0]), False
+    if not dora_on_left and dora.transposed and tuple(rhs_c) == (0,) and len(lhs_c) == 1:
+        return int(lhs_c[0]), True
+    return None
+
+
+def _one_base_product(dora: DoraArray, other, axis: int, flipped: bool, params):
+    """`D x` with one product of the base: `W [x | Bᵀ]` gives `W x` and the norm's
+    cross term `W Bᵀ` together (a quantised base is dequantised once, not twice)."""
+    vector = jnp.ndim(other) == 1
+    rows = other[None] if vector else other if axis == 1 else other.T  # (n, in)
+    n = rows.shape[0]
+
+    def product(w, a, b, rows, w_norm_sq, m):
+        frozen_b = lax.stop_gradient(b).astype(rows.dtype)  # the norm is detached
+        columns = jnp.concatenate([rows, frozen_b], axis=0)  # (n + r, in)
+        contract = (((1,), (1,)), ((), ()))
+        both = bind_dot_general(w, columns, contract, params)  # (out, n + r)
+        base, cross = both[:, :n], lax.stop_gradient(both[:, n:])
+        low = bind_dot_general(b, rows, contract, params)  # (r, n)
+        low = bind_dot_general(a, low, (((1,), (0,)), ((), ())), params)  # (out, n)
+        norm = norm_from_cross(cross, a, b, w_norm_sq)
+        scale = (m.astype(norm.dtype) / norm).astype(base.dtype)
+        out = (base + low.astype(base.dtype)) * scale[:, None]
+        return out[:, 0] if vector else out.T if flipped else out  # (out, n) or (n, out)
+
+    fields = (dora.frozen_weight(), dora.a, dora.b, rows, dora.w_norm_sq, dora.m)
+    return quaxlike.quaxify(product)(*fields)
+
+
 @cached_rule
 def _dora_product(dora: DoraArray, other, *, dimension_numbers, dora_on_left, **params):
+    shared = _shared_columns(dora, other, dora_on_left, dimension_numbers)
+    if shared is not None:
+        return _one_base_product(dora, other, *shared, params)
     other_labels, out_labels, c_labels = _labels(dora, other, dora_on_left, dimension_numbers)
     lora = dora.as_lora()
     if dora.transposed:

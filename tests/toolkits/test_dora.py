@@ -185,6 +185,20 @@ def test_nothing_dense_forward_and_backward(kind):
     assert not report.materialised
 
 
+@pytest.mark.parametrize("x_shape", [(N,), (N, 5), (5, N)])
+def test_one_product_of_the_base_per_forward(x_shape):
+    # `D x` for a vector or a batch of columns or rows multiplies the base once:
+    # `W [x | Bᵀ]` gives the product and the norm's cross term together.
+    base = make_base("nf4-dq", 30, (M, N))
+    dora = make_dora(base, 31)
+    x = randn(32, x_shape)
+    fn = (lambda d, x: x @ d.T) if x_shape == (5, N) else (lambda d, x: d @ x)
+    records = str(quaxlike.explain(fn)(dora, x)).split("rules:")[0]
+    assert records.count("quantized._matmul.dot_general") == 1, records
+    expected = fn(dense_dora(base.dequantize(), dora.a, dora.b, dora.m), x)
+    assert close(quaxlike.quaxify(fn)(dora, x), expected)
+
+
 @pytest.mark.parametrize("kind", ["plain", "nf4-dq"])
 def test_stacked_layers_through_scan(kind):
     layers = 3
