@@ -44,6 +44,7 @@ from . import lax as lax, numpy as numpy  # noqa: E402  (they use the names abov
 # (`quaxlike.unitful` for `quaxlike.units`, `quaxlike.zero` for
 # `quaxlike.symbolic.zero`, ...).
 _TOOLKITS = (
+    "checkpoints",
     "interval",
     "lora",
     "named",
