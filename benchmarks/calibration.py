@@ -59,6 +59,13 @@ def main(argv=None) -> None:
     parser.add_argument("--bits", type=int, nargs="+", default=[4, 3])
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--calibration", type=int, default=8, help="batches of 16 windows")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["gptq", "gptq act-order", "awq"],
+        choices=["gptq", "gptq act-order", "gptq sequential", "awq"],
+        help="besides rtn",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke test: 20 steps, 4 bits")
     args = parser.parse_args(argv)
     if args.quick:
@@ -78,7 +85,14 @@ def main(argv=None) -> None:
         f"held-out loss {float_loss:.4f} in float32; {len(calibration) * BATCH * LENGTH} "
         f"calibration tokens; groups of {args.group_size}"
     )
-    methods = {"rtn": "rtn", "gptq": "gptq", "gptq act-order": GPTQ(act_order=True), "awq": "awq"}
+    methods = {
+        "rtn": "rtn",
+        "gptq": "gptq",
+        "gptq act-order": GPTQ(act_order=True),
+        "gptq sequential": GPTQ(sequential=True),
+        "awq": "awq",
+    }
+    methods = {name: methods[name] for name in ["rtn", *args.methods]}
     print(
         "| bits | method | held-out loss | gap to float32 | of RTN's gap recovered "
         "| KL from float32 | of RTN's KL recovered | seconds |"

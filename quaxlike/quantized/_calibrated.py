@@ -114,11 +114,21 @@ def calibrated_quantize(
     leaves, treedef = jtu.tree_flatten(model, is_leaf=is_value)
     # The weights are checked before anything runs: a bad group size says so now.
     weights = {i: _weight(leaves[i], grid) for i in selected(model, where, "quantize")}
+
+    def quantised(w, stat):
+        if isinstance(chosen, GPTQ):
+            return _gptq(w, stat, grid, rounder, double_quant, options, chosen)
+        return _awq(w, stat, grid, rounder, chosen)
+
+    if isinstance(chosen, GPTQ) and chosen.sequential:
+        calibration = list(calibration)  # run once per weight
+        for position in weights:
+            # The weights before this one are quantised Values in the model now.
+            current = jtu.tree_unflatten(treedef, leaves)
+            _, (stat,) = collect_statistics(current, where, calibration, run, name, [position])
+            leaves[position] = quantised(weights[position], stat)
+        return jtu.tree_unflatten(treedef, leaves)
     positions, stats = collect_statistics(model, where, calibration, run, name)
     for position, stat in zip(positions, stats):
-        w = weights[position]
-        if isinstance(chosen, GPTQ):
-            leaves[position] = _gptq(w, stat, grid, rounder, double_quant, options, chosen)
-        else:
-            leaves[position] = _awq(w, stat, grid, rounder, chosen)
+        leaves[position] = quantised(weights[position], stat)
     return jtu.tree_unflatten(treedef, leaves)

@@ -297,6 +297,7 @@ def collect_statistics(
     calibration: Iterable[Any],
     run: Callable[[Any, Any], Any] | None,
     method: str,
+    positions: list[int] | None = None,
 ) -> tuple[list[int], list[Statistics]]:
     """Run `model` on every batch of `calibration` and sum the input statistics of
     the weights `where` selects.
@@ -309,6 +310,8 @@ def collect_statistics(
     - `run`: `run(model, batch)` runs the model on a batch; `None` for
         `jax.vmap(model)(batch)`.
     - `method`: the method's name, for error messages.
+    - `positions`: the positions (as returned) of the weights to record, when
+        only some of those `where` selects are wanted; `None` for all.
 
     **Returns:**
 
@@ -321,7 +324,8 @@ def collect_statistics(
     met no input.
     """
     run = default_run if run is None else run
-    positions = selected(model, where, "quantize")
+    if positions is None:
+        positions = selected(model, where, "quantize")
     leaves = jtu.tree_leaves(model, is_leaf=is_value)
     probes = [_probes(leaves[i]) for i in positions]
     total = None
@@ -346,8 +350,8 @@ def collect_statistics(
     stats = [Statistics(*s) for s in total]
     unused = [i for i, s in enumerate(stats) if not bool(jnp.all(s.rows > 0))]
     if unused:
-        paths = select(model, where)
-        names = ", ".join(f"`{paths[i]}`" for i in unused)
+        paths = dict(zip(selected(model, where, "quantize"), select(model, where)))
+        names = ", ".join(f"`{paths[positions[i]]}`" for i in unused)
         many = len(unused) > 1
         raise CalibrationError(
             _UNUSED_MSG.format(

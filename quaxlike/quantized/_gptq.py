@@ -50,6 +50,13 @@ class GPTQ:
     - `static_groups`: compute every group's scale from the original weight
         before any rounding, rather than from the updated weight when the
         group's first column is reached.
+    - `sequential`: quantise the selected weights one after another, in the
+        model's tree order, each calibrated on the inputs it gets from the model
+        with the weights before it already quantised (the paper's sequential
+        mode), rather than all on the float model's inputs. It runs the
+        calibration data once per weight (and compiles once per weight). Each
+        weight still reproduces its own float output on those inputs, not the
+        float model's: not always closer to the float model.
 
     !!! example
 
@@ -66,6 +73,7 @@ class GPTQ:
     act_order: bool = False
     block_size: int = 128
     static_groups: bool = False
+    sequential: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.percdamp, (int, float)) and self.percdamp >= 0):

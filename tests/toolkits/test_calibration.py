@@ -24,6 +24,7 @@ from quaxlike.quantized import (
     quantize_int4,
 )
 from quaxlike.quantized._calibration import collect_statistics
+from quaxlike.quantized._gptq import gptq_codes
 from quaxlike.quantized._rounding import fake_quantize, grid_for, layer_error
 
 
@@ -172,6 +173,22 @@ def test_gptq_beats_round_to_nearest_on_an_mlp():
     dense = jax.vmap(mlp)(X)
     gap = lambda q: float(jnp.mean((jax.vmap(quaxlike.quaxify(q))(X) - dense) ** 2))  # noqa: E731
     assert gap(gptq) < 0.8 * gap(rtn)
+
+
+def test_sequential_gptq_calibrates_on_the_quantised_inputs():
+    mlp = eqx.nn.MLP(IN, 8, 64, depth=2, key=jr.key(4))
+    plain = quantize(mlp, bits=3, method="gptq", calibration=BATCHES)
+    sequential = quantize(mlp, bits=3, method=GPTQ(sequential=True), calibration=BATCHES)
+    # The first layer sees the same inputs either way; the later ones do not.
+    first, later = (lambda q: q.layers[0].weight.codes()), (lambda q: q.layers[2].weight.codes())
+    assert jnp.array_equal(first(plain), first(sequential))
+    assert not jnp.array_equal(later(plain), later(sequential))
+    # The last layer is GPTQ on the inputs that the quantised layers before it give.
+    before = dequantize(sequential)
+    hidden = jax.vmap(lambda x: jax.nn.relu(before.layers[1](jax.nn.relu(before.layers[0](x)))))(X)
+    codes, _ = gptq_codes(grid_for(3, None), mlp.layers[2].weight, hidden.T @ hidden, GPTQ())
+    assert jnp.mean(codes == later(sequential)) > 0.99
+    assert jnp.mean(codes == later(plain)) < 0.95
 
 
 @pytest.mark.parametrize("bits", [8, 4, 3, 2, "nf4"])
