@@ -25,6 +25,7 @@ SCRIPTS = (
     "nested",
     "memory",
     "quantized",
+    "calibration",
     "qlora",
     "depth_scaling",
     "scale",
