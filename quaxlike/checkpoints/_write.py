@@ -68,7 +68,7 @@ _NOT_WEIGHT_MSG = (
 def _named_leaves(model: PyTree, name_map) -> list[tuple[str, str, Any]]:
     """`(path, name, leaf)` for each leaf the map names, a stack of layers split
     into one entry per layer (`{}` in the name)."""
-    from ..lora import LowRankValue  # the LoRA base is what these layouts hold
+    from ..lora._base import LowRankValue  # the LoRA base is what these layouts hold
 
     lookup = name_map if callable(name_map) else name_map.get
     out = []

@@ -25,10 +25,16 @@ from ._multi import (
     stack_adapters as stack_adapters,
     with_adapter as with_adapter,
 )
-from ._peft import (
-    load_peft as load_peft,
-    load_safetensors as load_safetensors,
-    save_peft as save_peft,
-)
+from ._peft import load_peft as load_peft, save_peft as save_peft
 from ._qlora import qlora as qlora
 from ._value import LoraArray as LoraArray
+
+
+def __getattr__(name: str):
+    # `load_safetensors` lives in `quaxlike.checkpoints` (a tool over models, which
+    # builds on this package); `quaxlike.lora.load_safetensors` is the same function.
+    if name == "load_safetensors":
+        from ..checkpoints import load_safetensors
+
+        return load_safetensors
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

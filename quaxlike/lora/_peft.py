@@ -1,4 +1,4 @@
-"""Adapters in and out of the Hugging Face PEFT layout, and base checkpoints in.
+"""Adapters in and out of the Hugging Face PEFT layout.
 
 PEFT keeps a LoRA adapter as `adapter_model.safetensors` plus `adapter_config.json`.
 For a linear layer `W` of shape `(out, in)` (PyTorch's layout, and Equinox's), the
@@ -38,7 +38,6 @@ from jaxtyping import PyTree
 
 import quaxlike
 
-from ..checkpoints import load_safetensors as load_safetensors  # noqa: F401  (its home)
 from ..selection import dotted_path, is_value
 from ._base import LowRankValue, shape_of
 from ._dora import DoraArray

@@ -24,6 +24,7 @@ from ._grouped import (
 )
 from ._inspect import largest_dequantized as largest_dequantized
 from ._matmul import default_matmul as default_matmul, with_matmul as with_matmul
+from ._model import dequantize as dequantize, quantize as quantize
 from ._nf4 import (
     NF4_LEVELS as NF4_LEVELS,
     NF4Array as NF4Array,
@@ -31,10 +32,8 @@ from ._nf4 import (
     quantize_nf4 as quantize_nf4,
 )
 from ._value import (
-    dequantize as dequantize,
     Int4Array as Int4Array,
     Int8Array as Int8Array,
-    quantize as quantize,
     quantize_int4 as quantize_int4,
     quantize_int8 as quantize_int8,
 )
