@@ -52,6 +52,12 @@ _DORA_CONV_MSG = (
     "`where=eqx.nn.Linear`), or adapt them with plain LoRA in a second call "
     "(`loraify(model, rank=..., key=..., where=eqx.nn.Conv)`)."
 )
+_DORA_KERNEL_MSG = (
+    "`loraify(..., dora=True)` selected `{path}`, a kernel stored `(in, out)` (Flax's "
+    "`kernel`, used as `x @ kernel`): DoRA's norm is per output row of a weight stored "
+    "`(out, in)`, so over this leaf's last axis it would be taken per input instead. "
+    "Adapt an `(out, in)` weight (an `eqx.nn.Linear`'s), or store the kernel transposed."
+)
 _MAGNITUDE_FROM_MSG = (
     "`loraify(..., magnitude_from=...)` has no weight at `{path}` (or one of another "
     "shape: {what}); it must be a tree like the model with the unquantised weight "
@@ -276,6 +282,8 @@ def _adapted(
     flags = dict(allow_materialise=allow_materialise, stop_gradient=stop_gradient)
     if dora and isinstance(layer, _CONVOLUTIONS):
         raise ValueError(_DORA_CONV_MSG.format(path=path, kind=type(layer).__name__))
+    if dora and path.rsplit(".", 1)[-1] in ("kernel", "value") and "kernel" in path:
+        raise ValueError(_DORA_KERNEL_MSG.format(path=path))
     if dora:
         magnitude = None
         if magnitudes is not None:

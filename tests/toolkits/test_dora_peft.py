@@ -202,7 +202,10 @@ def test_dora_errors(tmp_path):
         load_peft(base, tmp_path)
     kernel = {"kernel": randn(0, (6, 4))}
     with pytest.raises(ValueError, match="stored `\\(in, out\\)`"):
-        save_peft(loraify(kernel, rank=2, key=jr.key(1), where="kernel", dora=True), tmp_path)
+        loraify(kernel, rank=2, key=jr.key(1), where="kernel", dora=True)
+    dora = DoraArray(randn(0, (4, 6)), rank=2, key=jr.key(1))
+    with pytest.raises(ValueError, match="stored `\\(in, out\\)`"):
+        save_peft({"kernel": dora}, tmp_path)
 
 
 # transformers and peft warn about their own deprecations.
