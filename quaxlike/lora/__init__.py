@@ -7,10 +7,11 @@ selection language of `quaxlike.selection`; `stack_adapters` and
 `load_safetensors` read and write the Hugging Face layouts."""
 
 from ..selection import module as module, select as select
-from . import _conv, _dora_rules, _gather, _rules  # noqa: F401  (register the rules)
+from . import _conv, _dora_conv, _dora_rules, _gather, _rules  # noqa: F401  (register the rules)
 from ._base import LowRankValue as LowRankValue
 from ._conv import LoraConvKernel as LoraConvKernel
 from ._dora import DoraArray as DoraArray, row_norms as row_norms
+from ._dora_conv import DoraConvKernel as DoraConvKernel
 from ._model import (
     adapted_paths as adapted_paths,
     loraify as loraify,

@@ -14,6 +14,7 @@ from ..selection import dotted_path, selected as selected_leaves
 from ._base import LowRankValue
 from ._conv import LoraConvKernel
 from ._dora import DoraArray, row_norms
+from ._dora_conv import channel_norms_squared, DoraConvKernel
 from ._value import LoraArray
 
 
@@ -44,13 +45,6 @@ _STACKED_CONV_MSG = (
     "`eqx.filter_vmap` builds. LoraConvKernel has no batch axes, so stacked "
     "convolutions cannot be adapted yet. Leave them out with `where=`, or build the "
     "layers one by one."
-)
-_DORA_CONV_MSG = (
-    "`loraify(..., dora=True)` selected `{path}`, the kernel of an `eqx.nn.{kind}`: "
-    "DoRA on convolution kernels is not supported yet (only on matrices `(*batch, "
-    "out, in)`). Ways out: leave convolutions out with `where=` (for example "
-    "`where=eqx.nn.Linear`), or adapt them with plain LoRA in a second call "
-    "(`loraify(model, rank=..., key=..., where=eqx.nn.Conv)`)."
 )
 _DORA_KERNEL_MSG = (
     "`loraify(..., dora=True)` selected `{path}`, a kernel stored `(in, out)` (Flax's "
@@ -152,7 +146,9 @@ def loraify(
     - `dora`: make DoRA weights (`DoraArray`: a trainable magnitude per output
         row times the row-normalised `W + A @ B`), PEFT's `use_dora=True`. The
         magnitude starts at the row norms of `W` (dequantised, for a quantised
-        base, as PEFT does). Convolution kernels are refused.
+        base, as PEFT does). The kernel of an `eqx.nn.Conv` or
+        `eqx.nn.ConvTranspose` becomes a `DoraConvKernel` (a magnitude per output
+        channel, the norm over every other axis: PEFT's DoRA `Conv1d/2d/3d`).
     - `magnitude_from`: with `dora=True`, a tree like `model` (the model before
         `quantize`, say) whose weights at the adapted paths give the initial
         magnitudes instead: Answer.AI's QDoRA takes them from the weight before
@@ -280,10 +276,18 @@ def _adapted(
     """`leaf` as a LoraConvKernel (the kernel of a convolution), a LoraArray or a
     DoraArray, with `A = scale * jr.normal(key, ...)` drawn exactly as Quax draws it."""
     flags = dict(allow_materialise=allow_materialise, stop_gradient=stop_gradient)
-    if dora and isinstance(layer, _CONVOLUTIONS):
-        raise ValueError(_DORA_CONV_MSG.format(path=path, kind=type(layer).__name__))
     if dora and path.rsplit(".", 1)[-1] in ("kernel", "value") and "kernel" in path:
         raise ValueError(_DORA_KERNEL_MSG.format(path=path))
+    conv = isinstance(layer, _CONVOLUTIONS)
+    if conv and leaf.ndim != layer.num_spatial_dims + 2:
+        raise ValueError(
+            _STACKED_CONV_MSG.format(
+                path=path,
+                kind=type(layer).__name__,
+                spatial=layer.num_spatial_dims,
+                shape=tuple(leaf.shape),
+            )
+        )
     if dora:
         magnitude = None
         if magnitudes is not None:
@@ -291,18 +295,17 @@ def _adapted(
             if source is None or tuple(getattr(source, "shape", ())) != tuple(leaf.shape):
                 what = "none" if source is None else f"shape {tuple(source.shape)}"
                 raise ValueError(_MAGNITUDE_FROM_MSG.format(path=path, what=what))
-            magnitude = row_norms(source)
-        return DoraArray(leaf, rank=rank, scale=scale, key=key, magnitude=magnitude, **flags)
-    if isinstance(layer, _CONVOLUTIONS):
-        if leaf.ndim != layer.num_spatial_dims + 2:
-            raise ValueError(
-                _STACKED_CONV_MSG.format(
-                    path=path,
-                    kind=type(layer).__name__,
-                    spatial=layer.num_spatial_dims,
-                    shape=tuple(leaf.shape),
-                )
+            magnitude = (
+                jnp.sqrt(channel_norms_squared(source, 0)).astype(leaf.dtype)
+                if conv
+                else row_norms(source)
             )
+        if conv:
+            return DoraConvKernel(
+                leaf, rank=rank, scale=scale, key=key, out_axis=0, magnitude=magnitude, **flags
+            )
+        return DoraArray(leaf, rank=rank, scale=scale, key=key, magnitude=magnitude, **flags)
+    if conv:
         return LoraConvKernel(leaf, rank=rank, scale=scale, key=key, out_axis=0, **flags)
     return LoraArray(leaf, rank=rank, scale=scale, key=key, **flags)
 
@@ -356,7 +359,7 @@ def trainable_filter(model: PyTree) -> PyTree[bool]:
     """
 
     def mark(x):
-        if isinstance(x, DoraArray):
+        if isinstance(x, (DoraArray, DoraConvKernel)):
             spec = jtu.tree_map(lambda _: False, x)
             return eqx.tree_at(lambda s: (s.a, s.b, s.m), spec, (True, True, True))
         if _is_lora(x):

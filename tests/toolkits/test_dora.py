@@ -250,9 +250,6 @@ def test_refusals_name_the_type_and_the_way_out():
         quaxlike.quaxify(lambda d: jnp.exp(d))(dora)
     with pytest.raises(Exception, match="DoraArray"):
         quaxlike.quaxify(lambda d: d[:, 1:3])(dora)  # columns cut from their norm
-    conv = eqx.nn.Conv2d(3, 4, 3, key=jr.key(0))
-    with pytest.raises(ValueError, match="DoRA on convolution kernels.*where="):
-        loraify(conv, rank=2, key=jr.key(1), dora=True)
 
 
 # --- models --------------------------------------------------------------------
