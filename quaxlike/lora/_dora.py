@@ -57,6 +57,31 @@ _BAD_MAGNITUDE_MSG = (
 DEFAULT_BLOCK_ELEMENTS = 1 << 20
 
 
+def with_magnitude(value: Any, m: Any, want: tuple[int, ...], message: str) -> Any:
+    """`value`, made with no magnitude, given the magnitude `m`: where `m` is
+    `None`, the value's own norm (PEFT's initial magnitude, at which the weight
+    equals `W + A B`). Shared by `DoraArray` and `DoraConvKernel`.
+
+    **Arguments:**
+
+    - `value`: a DoRA value whose field `m` is still `None`.
+    - `m`: the magnitude, or `None`.
+    - `want`: the shape `m` must have.
+    - `message`: the error raised otherwise, with `{want}` and `{got}`.
+
+    **Returns:**
+
+    `value` itself, holding the magnitude.
+    """
+    if m is None:
+        m = value.norm().astype(value.w.dtype)
+    m = jnp.asarray(m)
+    if shape_of(m) != want:
+        raise ValueError(message.format(want=want, got=shape_of(m)))
+    object.__setattr__(value, "m", m)
+    return value
+
+
 class DoraArray(LowRankValue):
     """A DoRA weight: `(m / ‖W + A @ B‖) ⊙ (W + A @ B)`, row by row, as one array value.
 
@@ -187,13 +212,7 @@ class DoraArray(LowRankValue):
             stop_gradient=stop_gradient,
             transposed=False,
         )
-        if m is None:
-            m = self.norm().astype(w.dtype)
-        m = jnp.asarray(m)
-        if shape_of(m) != (*batch, out):
-            raise ValueError(_BAD_MAGNITUDE_MSG.format(want=(*batch, out), got=shape_of(m)))
-        object.__setattr__(self, "m", m)
-        return self
+        return with_magnitude(self, m, (*batch, out), _BAD_MAGNITUDE_MSG)
 
     # --- what the value stands for -------------------------------------------
 

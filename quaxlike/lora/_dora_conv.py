@@ -30,7 +30,7 @@ from quaxlike.internal import cached_rule
 
 from ._base import check_rank, check_weight, LowRankValue, shape_of
 from ._conv import _conv_low_rank, _initial_factors, _normalise_axis, dense_kernel
-from ._dora import _accumulation_dtype, norm_from_cross
+from ._dora import _accumulation_dtype, norm_from_cross, with_magnitude
 
 
 _REFUSE_MSG = (
@@ -244,13 +244,7 @@ class DoraConvKernel(LowRankValue):
             allow_materialise=allow_materialise,
             stop_gradient=stop_gradient,
         )
-        if m is None:
-            m = self.norm().astype(w.dtype)
-        m = jnp.asarray(m)
-        if shape_of(m) != (shape[axis],):
-            raise ValueError(_BAD_MAGNITUDE_MSG.format(want=(shape[axis],), got=shape_of(m)))
-        object.__setattr__(self, "m", m)
-        return self
+        return with_magnitude(self, m, (shape[axis],), _BAD_MAGNITUDE_MSG)
 
     def _ndim_from_factors(self) -> int:
         return len(shape_of(self.b if self.b is not None else self.w))
