@@ -256,7 +256,21 @@ class DoraArray(LowRankValue):
 
         An array of shape `(*batch, out)`, in float32 or wider.
         """
-        return dora_norm(self.w, self.a, self.b, self.w_norm_sq)
+        return dora_norm(self.w, self.a, self.b, self.weight_norm_squared())
+
+    def weight_norm_squared(self) -> Array:
+        """`‖W‖²` per row of `W`, over its input axis: the one computed when the
+        array was made while `W` is frozen (`stop_gradient=True`), else computed
+        again from the current `W`, which training moves (a cached one would be
+        stale after the first step, and the norm wrong).
+
+        **Returns:**
+
+        An array of shape `(*batch, out)`, in float32 or wider.
+        """
+        if self.stop_gradient:
+            return self.w_norm_sq
+        return row_norms_squared(self.w)
 
     def row_scale(self) -> Array:
         """`m / n`, the factor of each row of `W + A @ B` (`n` detached).

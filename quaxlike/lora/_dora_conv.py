@@ -257,7 +257,20 @@ class DoraConvKernel(LowRankValue):
 
         An array of shape `(out,)`, in float32 or wider.
         """
-        return dora_conv_norm(self.w, self.a, self.b, self.w_norm_sq, self.out_axis)
+        return dora_conv_norm(self.w, self.a, self.b, self.weight_norm_squared(), self.out_axis)
+
+    def weight_norm_squared(self) -> Array:
+        """`‖W‖²` per output channel: the one computed when the kernel was made
+        while `W` is frozen (`stop_gradient=True`), else computed again from the
+        current `W`, which training moves.
+
+        **Returns:**
+
+        An array of shape `(out,)`, in float32 or wider.
+        """
+        if self.stop_gradient:
+            return self.w_norm_sq
+        return channel_norms_squared(self.w, self.out_axis)
 
     def channel_scale(self) -> Array:
         """`m / n`, the factor of each output channel of `W + A · B` (`n` detached).
@@ -335,7 +348,8 @@ def _conv_with_dora_kernel(x, kernel: DoraConvKernel, **params):
         shape[out_feature] = -1
         return total * scale.reshape(shape)
 
-    return quaxlike.quaxify(conv)(x, w, kernel.a, kernel.b, kernel.m, kernel.w_norm_sq)
+    norm_sq = kernel.weight_norm_squared()
+    return quaxlike.quaxify(conv)(x, w, kernel.a, kernel.b, kernel.m, norm_sq)
 
 
 @quaxlike.register(lax.conv_general_dilated_p)

@@ -86,7 +86,7 @@ def _one_base_product(dora: DoraArray, other, axis: int, flipped: bool, params):
         out = (base + low.astype(base.dtype)) * scale[:, None]
         return out[:, 0] if vector else out.T if flipped else out  # (out, n) or (n, out)
 
-    fields = (dora.frozen_weight(), dora.a, dora.b, rows, dora.w_norm_sq, dora.m)
+    fields = (dora.frozen_weight(), dora.a, dora.b, rows, dora.weight_norm_squared(), dora.m)
     return quaxlike.quaxify(product)(*fields)
 
 

@@ -356,7 +356,7 @@ def load_peft(
         path = dotted_path(key_path)
         template = namer(path) if _is_weight(leaf) else None
         base = leaf.w if isinstance(leaf, LowRankValue) else leaf
-        known_norms = leaf.w_norm_sq if isinstance(leaf, DoraArray) else None
+        known_norms = leaf.weight_norm_squared() if isinstance(leaf, DoraArray) else None
         if template is None:
             out.append(leaf)
             continue

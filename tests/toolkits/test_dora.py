@@ -331,3 +331,21 @@ def test_optax_step_decreases_the_loss_with_the_dense_gradient():
                 assert close(lin.weight.m, e[2], 1e-4)
         losses.append(float(value))
     assert losses[-1] < 0.7 * losses[0]
+
+
+def test_trained_base_keeps_its_norm_current():
+    """With `stop_gradient=False` the base trains: after a step moves `W`, the
+    norm is `‖W' + A B‖` of the new `W'`, never the one cached when the array
+    was made; and the gradient reaches `W` as the dense formula's does."""
+    dora = make_dora(randn(0, (M, N)), 1)._replaced(stop_gradient=False)
+    moved = dora._replaced(w=dora.w + 0.5 * randn(9, (M, N)))
+    x = randn(5, (N,))
+    expected = dense_dora(moved.w, moved.a, moved.b, moved.m) @ x
+    assert close(moved.norm(), jnp.linalg.norm(moved.w + moved.a @ moved.b, axis=-1))
+    assert close(quaxlike.quaxify(lambda d, x: d @ x)(moved, x), expected)
+
+    def loss(w):
+        return jnp.sum(quaxlike.quaxify(lambda d, x: d @ x)(moved._replaced(w=w), x) ** 2)
+
+    dense_loss = lambda w: jnp.sum((dense_dora(w, moved.a, moved.b, moved.m) @ x) ** 2)  # noqa: E731
+    assert close(jax.grad(loss)(moved.w), jax.grad(dense_loss)(moved.w), 1e-4)

@@ -162,3 +162,24 @@ def test_refusals_name_the_type_and_the_way_out():
         DoraConvKernel(quantize_int8(layer.weight.reshape(6, -1)), rank=2, key=jr.key(1))
     with pytest.raises(ValueError, match="DoraConvKernel.*magnitude"):
         DoraConvKernel(layer.weight, rank=2, key=jr.key(1), magnitude=jnp.ones(5))
+
+
+def test_trained_kernel_keeps_its_norm_current():
+    """With `stop_gradient=False` the kernel trains: after a step moves `W`, the
+    output uses the norm of the current `W' + A · B`, not the one cached when the
+    kernel was made, and the gradient reaches `W` as the dense formula's does."""
+    layer = LAYERS["conv2d"]()
+    x = randn(7, INPUTS["conv2d"])
+    a, b, m = factors(layer.weight, 1)
+    kernel = DoraConvKernel.from_factors(layer.weight, a, b, m, stop_gradient=False)
+    moved_w = layer.weight + 0.5 * randn(9, layer.weight.shape)
+    moved = kernel._replaced(w=moved_w)
+    got = quaxlike.quaxify(eqx.tree_at(lambda c: c.weight, layer, moved))(x)
+    close(got, run_dense(layer, moved_w, a, b, m, x))
+
+    def loss(w):
+        conv = eqx.tree_at(lambda c: c.weight, layer, kernel._replaced(w=w))
+        return jnp.sum(quaxlike.quaxify(conv)(x) ** 2)
+
+    dense_loss = lambda w: jnp.sum(run_dense(layer, w, a, b, m, x) ** 2)  # noqa: E731
+    close(jax.grad(loss)(moved_w), jax.grad(dense_loss)(moved_w), 1e-4)
