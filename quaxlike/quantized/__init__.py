@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (register the quantised arrays' rules)
     _indexing,
     _layout_rules,
     _matmul,
+    _microscaling_rules,
     _rules,
 )
 from ._awq import AWQ as AWQ, InputScaled as InputScaled
@@ -24,6 +25,13 @@ from ._grouped import (
 )
 from ._inspect import largest_dequantized as largest_dequantized
 from ._matmul import default_matmul as default_matmul, with_matmul as with_matmul
+from ._microscaling import (
+    MicroscaledArray as MicroscaledArray,
+    MXArray as MXArray,
+    NVFP4Array as NVFP4Array,
+    quantize_mx as quantize_mx,
+    quantize_nvfp4 as quantize_nvfp4,
+)
 from ._model import dequantize as dequantize, quantize as quantize
 from ._nf4 import (
     NF4_LEVELS as NF4_LEVELS,
