@@ -12,13 +12,14 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ..quantized import Bnb4bitArray, GroupedIntArray, QuantizedArray
+from ..quantized import Bnb4bitArray, GroupedIntArray, MicroscaledArray, QuantizedArray
 from ..selection import dotted_path, is_value
 from ._awq import read_awq
 from ._bnb import check_not_8bit, is_bnb_4bit, read_bnb_4bit
 from ._compressed_tensors import is_packed, read_packed
 from ._gptq import GPTQ_KEYS, read_gptq
 from ._layer import Layer
+from ._microscaling import LAYOUTS as MICROSCALED, microscaled_layout, read_microscaled
 from ._source import open_source, Source
 
 
@@ -64,7 +65,10 @@ _METHODS = {
     "GPTQ": ("gptq", "gptqmodel"),
     "AWQ GEMM": ("awq",),
     "compressed-tensors pack-quantized": ("compressed-tensors", "compressed_tensors"),
+    **{layout: ("compressed-tensors", "compressed_tensors") for layout in MICROSCALED},
 }
+# The Values the readers give, whose dtype and options `load_safetensors` sets.
+_READ_TYPES = (GroupedIntArray, Bnb4bitArray, MicroscaledArray)
 
 
 def _names_for(template: str, batch: tuple[int, ...], path: str) -> list[tuple[tuple, str]]:
@@ -91,6 +95,9 @@ def _layout(name: str, source: Source) -> str | None:
     """The quantised layout stored under the weight `name`, or None (dense)."""
     if is_bnb_4bit(name, source):
         return "bitsandbytes 4-bit"
+    microscaled = microscaled_layout(name, source)
+    if microscaled is not None:
+        return microscaled
     if is_packed(name, source):
         return "compressed-tensors pack-quantized"
     module = _module_of(name)
@@ -135,6 +142,8 @@ def _read_quantized(
         return read_bnb_4bit(name, source, path, shape)
     if layout == "compressed-tensors pack-quantized":
         return read_packed(name, source, path, shape, config)
+    if layout in MICROSCALED:
+        return read_microscaled(name, layout, source, path, shape)
     if layout == "GPTQ":
         return read_gptq(_module_of(name), source, path, shape, config)
     return read_awq(_module_of(name), source, path, shape, config)
@@ -207,7 +216,7 @@ def _as_leaf_dtype(value: QuantizedArray, leaf: Any) -> QuantizedArray:
     dtype = getattr(leaf, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         return value
-    assert isinstance(value, (GroupedIntArray, Bnb4bitArray))
+    assert isinstance(value, _READ_TYPES)
     return value.with_dtype(dtype)
 
 
@@ -242,6 +251,9 @@ def load_safetensors(
         `GroupedIntArray` (AWQ's codes repacked once);
     - compressed-tensors `pack-quantized` (`<name>_packed`, `<name>_scale`, ...),
         read as a `GroupedIntArray`.
+    - compressed-tensors `nvfp4-pack-quantized` and `mxfp4-pack-quantized`
+        (`<name>_packed` in `uint8`, e2m1 codes; e4m3 scales and a global scale,
+        or E8M0 scales), read as an `NVFP4Array` or an `MXArray`.
 
     Each dequantises exactly as its library does, cast to the model leaf's
     dtype. Where a file alone does not settle a layout, the checkpoint's
@@ -337,10 +349,7 @@ def load_safetensors(
     options: dict[str, Any] = dict(allow_materialise=allow_materialise, matmul=matmul)
     if block_bytes is not None:
         options["block_bytes"] = block_bytes
-    out = [
-        dataclasses.replace(x, **options) if isinstance(x, (GroupedIntArray, Bnb4bitArray)) else x
-        for x in out
-    ]
+    out = [dataclasses.replace(x, **options) if isinstance(x, _READ_TYPES) else x for x in out]
     return jtu.tree_unflatten(treedef, out)
 
 
