@@ -13,6 +13,7 @@ from ..selection import replace_selected
 from ._awq import InputScaled
 from ._base import DEFAULT_BLOCK_BYTES, QuantizedArray
 from ._calibrated import calibrated_quantize
+from ._microscaling import MX_BLOCK, NVFP4_BLOCK, quantize_mx, quantize_nvfp4
 from ._nf4 import quantize_nf4
 from ._value import (
     _BAD_BITS_MSG,
@@ -20,6 +21,12 @@ from ._value import (
     default_where,
     quantize_int4,
     quantize_int8,
+)
+
+
+_MICROSCALED_GROUP_MSG = (
+    "`quantize`: `bits={bits!r}` has blocks of {block} inputs fixed by the format; "
+    "got `group_size={got!r}`. Leave `group_size` out."
 )
 
 
@@ -51,7 +58,11 @@ def quantize(
     - `bits`: 8 for `Int8Array` (per output channel), 4 for `Int4Array` (per
         group) or `"nf4"` for `NF4Array` (4-bit NormalFloat codes, per group);
         3 or 2 for codes in `[-3, 3]` or `[-1, 1]` stored in an `Int4Array`
-        (the accuracy of 3 or 2 bits, the memory of 4).
+        (the accuracy of 3 or 2 bits, the memory of 4); `"mxfp8"` or `"mxfp4"`
+        for an `MXArray` (OCP Microscaling: blocks of 32 inputs with an E8M0
+        scale, float8 e4m3 or fp4 e2m1 elements) or `"nvfp4"` for an
+        `NVFP4Array` (blocks of 16, e4m3 scales, a float32 per-tensor scale),
+        as torchao's `to_mx` and `NVFP4Tensor` quantise.
     - `group_size`: the group size for `bits=4`, 3 and 2 (default 32) and
         `"nf4"` (default 64); ignored for 8.
     - `double_quant`: for `bits="nf4"` only: quantise the groups' scales to 8 bits
@@ -119,6 +130,14 @@ def quantize(
         make = ft.partial(
             quantize_nf4, group_size=group_size or 64, double_quant=double_quant, **options
         )
+    elif bits in ("mxfp8", "mxfp4", "nvfp4"):
+        block = NVFP4_BLOCK if bits == "nvfp4" else MX_BLOCK
+        if group_size not in (None, block):
+            raise ValueError(_MICROSCALED_GROUP_MSG.format(bits=bits, block=block, got=group_size))
+        if bits == "nvfp4":
+            make = ft.partial(quantize_nvfp4, **options)
+        else:
+            make = ft.partial(quantize_mx, format=bits, **options)
     else:
         raise ValueError(_BAD_BITS_MSG.format(bits=bits))
     if where is None:
