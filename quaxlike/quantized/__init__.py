@@ -45,3 +45,8 @@ from ._value import (
     quantize_int4 as quantize_int4,
     quantize_int8 as quantize_int8,
 )
+from ._w8a8 import (
+    quantize_rows_int8 as quantize_rows_int8,
+    quantize_w8a8 as quantize_w8a8,
+    W8A8Array as W8A8Array,
+)

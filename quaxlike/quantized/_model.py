@@ -22,6 +22,7 @@ from ._value import (
     quantize_int4,
     quantize_int8,
 )
+from ._w8a8 import quantize_activations_model
 
 
 _MICROSCALED_GROUP_MSG = (
@@ -43,6 +44,7 @@ def quantize(
     method: Any = "rtn",
     calibration: Iterable[Any] | None = None,
     run: Callable[[Any, Any], Any] | None = None,
+    activations: int | None = None,
 ) -> PyTree:
     """Replace the weight of every `eqx.nn.Linear` in `model` by a quantised one.
 
@@ -95,6 +97,11 @@ def quantize(
         calibration section of `quaxlike.quantized`'s README).
     - `run`: `run(model, batch)` runs the model on one calibration batch;
         by default `jax.vmap(model)(batch)`, Equinox's convention.
+    - `activations`: `8` (with `bits=8`, `method="rtn"`) quantises the inputs
+        of each selected weight's matrix products too, dynamically per token:
+        each weight becomes a `W8A8Array` (int8 x int8 products accumulated in
+        int32, as torchao's `Int8DynamicActivationInt8WeightConfig`). `None`
+        (the default) quantises the weights only.
 
     **Returns:**
 
@@ -118,6 +125,10 @@ def quantize(
     options = dict(allow_materialise=allow_materialise, block_bytes=block_bytes, matmul=matmul)
     if double_quant and bits != "nf4":
         raise ValueError(_DOUBLE_QUANT_MSG.format(bits=bits))
+    if activations is not None:
+        return quantize_activations_model(
+            model, bits, activations, method, calibration, run, where, options
+        )
     if method != "rtn" or calibration is not None or run is not None or bits in (3, 2):
         return calibrated_quantize(
             model, method, calibration, run, bits, group_size, double_quant, where, options
