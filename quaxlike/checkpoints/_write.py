@@ -4,10 +4,11 @@
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
@@ -17,12 +18,14 @@ import quaxlike
 from ..quantized import (
     Bnb4bitArray,
     GroupedIntArray,
+    InputScaled,
     Int4Array,
     Int8Array,
     NF4_LEVELS,
     NF4Array,
     pack_words,
     QuantizedArray,
+    W8A8Array,
 )
 from ..selection import dotted_path, is_value
 from ._bnb import STATE_KEYS
@@ -58,6 +61,19 @@ _G_IDX_MSG = (
     "0.20 no longer reads `weight_g_idx` (act-order GROUP was removed), so it cannot "
     "be written faithfully. Write it with the GPTQ tools instead, or keep it here."
 )
+_INPUT_SCALED_MSG = (
+    "`{function}`: `{path}` is an `InputScaled` (AWQ's weight: the quantised "
+    "`W diag(s)` and the per-input-channel scales `s` its inputs are divided by). "
+    "{layout} has no place for `s`: AutoAWQ and llm-compressor fold `1 / s` into the "
+    "operation before the layer (a norm's weight and bias, or the previous Linear's "
+    "rows) and save the quantised weight alone. Ways out: {fold}`dequantize` the model "
+    'and quantise it without AWQ (`method="rtn"` or `"gptq"`), or keep it here.'
+)
+_FOLD_HINT = (
+    "name the leaves of that operation with `fold={{{path!r}: [...]}}` (their axis 0 "
+    "is divided by `s`; the weights folded into one leaf need equal scales), or "
+)
+_FOLD_MSG = "`save_compressed_tensors`: `fold` {what}"
 _NOT_WEIGHT_MSG = (
     "`save_compressed_tensors`: `{path}` is quantised, so its name must end in "
     "`weight` (compressed-tensors writes `<module>.weight_packed` beside it); got "
@@ -249,6 +265,16 @@ def save_bnb_4bit(
             written, quant_type, nested, dtype = _bnb_tensors(path, name, leaf)
             tensors.update(written)
             kinds.add((quant_type, nested, dtype))
+        elif isinstance(leaf, InputScaled):
+            hint = "with an int4 or int8 base, `save_compressed_tensors(..., fold=...)`; or "
+            raise ValueError(
+                _INPUT_SCALED_MSG.format(
+                    function="save_bnb_4bit",
+                    path=path,
+                    layout="bitsandbytes' 4-bit layout",
+                    fold=hint,
+                )
+            )
         elif isinstance(leaf, quaxlike.Value):
             raise ValueError(
                 _WRONG_TYPE_MSG.format(
@@ -322,6 +348,15 @@ def _ct_tensors(path: str, name: str, w: QuantizedArray) -> tuple[dict, dict[str
         "actorder": None,
         "observer": "minmax",
     }
+    if isinstance(w, W8A8Array):
+        # Its products quantise their inputs too: compressed-tensors' W8A8 scheme.
+        args["input_activations"] = {
+            "num_bits": 8,
+            "type": "int",
+            "symmetric": True,
+            "strategy": "token",
+            "dynamic": True,
+        }
     return tensors, args
 
 
@@ -331,6 +366,7 @@ def save_compressed_tensors(
     name_map: Mapping[str, str] | Callable[[str], str | None],
     *,
     write_config: bool = True,
+    fold: Mapping[str, str | Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """Write a model's weights as a safetensors file in compressed-tensors'
     `pack-quantized` layout, which vLLM and transformers serve.
@@ -341,7 +377,17 @@ def save_compressed_tensors(
     `weight_shape` and, asymmetric, `weight_zero_point`; every other named array
     as it is. A `LoraArray` is written as its base (its adapter: `save_peft`).
     compressed-tensors' `decompress` then gives exactly the values the weight
-    has here (in the scales' dtype).
+    has here (in the scales' dtype). A `W8A8Array` is written as an `Int8Array`,
+    its config group with compressed-tensors' W8A8 `input_activations` (8-bit,
+    symmetric, dynamic, per token).
+
+    An `InputScaled` (`quantize(..., method="awq")`) is written as AutoAWQ and
+    llm-compressor write AWQ: its quantised base as the weight, and `1 / s`
+    folded into the operation before the layer, whose leaves `fold` names (a
+    norm's weight and bias, or the previous Linear's weight and bias): axis 0
+    of each is divided by `s`. The written model then computes what this one
+    does, provided that operation is what feeds the layer (through nothing but
+    channelwise-linear steps).
 
     **Arguments:**
 
@@ -351,6 +397,12 @@ def save_compressed_tensors(
         name ends in `weight` (`"model.layers.0.mlp.up_proj.weight"`).
     - `write_config`: also write the `quantization_config` into `config.json`
         beside `file`.
+    - `fold`: for each `InputScaled` weight (by our dotted path), the dotted
+        path of the leaf, or a list of the leaves, that its `1 / s` is folded
+        into (`{"blocks.0.attn.q.weight": ["blocks.0.norm.weight",
+        "blocks.0.norm.bias"]}`). Those leaves must be written too (named by
+        `name_map`), and every weight folded into one leaf must have the same
+        scales (AWQ's layers that share an input share them).
 
     **Returns:**
 
@@ -360,7 +412,9 @@ def save_compressed_tensors(
     **Raises:**
 
     `ValueError` for a quantised weight compressed-tensors has no layout for (an
-    `NF4Array`: see `save_bnb_4bit`) or an act-order `GroupedIntArray`.
+    `NF4Array`: see `save_bnb_4bit`), an act-order `GroupedIntArray`, or an
+    `InputScaled` that `fold` does not fold (or cannot: unequal scales, a leaf
+    not written or of another size).
 
     !!! example
 
@@ -380,7 +434,11 @@ def save_compressed_tensors(
     """
     tensors: dict[str, np.ndarray] = {}
     schemes: dict[str, tuple[dict, list[str]]] = {}
-    for path, name, leaf in _named_leaves(model, name_map):
+    named = _named_leaves(model, name_map)
+    named, divisors = _unfolded(named, fold or {})
+    for path, name, leaf in named:
+        if path in divisors:
+            leaf = _divided(path, leaf, divisors.pop(path))
         if isinstance(leaf, (Int4Array, Int8Array, GroupedIntArray)):
             written, args = _ct_tensors(path, name, leaf)
             tensors.update(written)
@@ -398,10 +456,15 @@ def save_compressed_tensors(
             )
         else:
             tensors[name] = _host(leaf)
-    groups = {
-        f"group_{i}": {"targets": sorted(targets), "weights": args}
-        for i, (args, targets) in enumerate(schemes.values())
-    }
+    if divisors:
+        what = f"names {sorted(divisors)}, which `name_map` does not write: name them there."
+        raise ValueError(_FOLD_MSG.format(what=what))
+    groups = {}
+    for i, (args, targets) in enumerate(schemes.values()):
+        weights = {k: v for k, v in args.items() if k != "input_activations"}
+        groups[f"group_{i}"] = {"targets": sorted(targets), "weights": weights}
+        if "input_activations" in args:
+            groups[f"group_{i}"]["input_activations"] = args["input_activations"]
     config = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
@@ -413,3 +476,76 @@ def save_compressed_tensors(
     if write_config:
         _write_config(file, config)
     return config
+
+
+# --- AWQ's input scales, folded into the operation before the layer ---------------
+
+
+def _unfolded(named: list, fold: Mapping[str, Any]) -> tuple[list, dict[str, np.ndarray]]:
+    """`named` with each `InputScaled` replaced by its quantised base, and the
+    scales `s` each leaf that `fold` names is to be divided by (one array per
+    leaf, the same for every weight folded into it)."""
+    out, divisors, sources = [], {}, {}
+    for path, name, leaf in named:
+        if isinstance(leaf, InputScaled):
+            if path not in fold:
+                hint = _FOLD_HINT.format(path=path)
+                raise ValueError(
+                    _INPUT_SCALED_MSG.format(
+                        function="save_compressed_tensors",
+                        path=path,
+                        layout="compressed-tensors' format",
+                        fold=hint,
+                    )
+                )
+            if leaf.transposed or len(leaf.shape) != 2:
+                raise ValueError(
+                    _TRANSPOSED_MSG.format(function="save_compressed_tensors", path=path)
+                    if leaf.transposed
+                    else _STACK_MSG.format(
+                        function="save_compressed_tensors", path=path, shape=leaf.shape
+                    )
+                )
+            scale = _host(leaf.scale).astype(np.float32)
+            targets = fold[path]
+            for target in [targets] if isinstance(targets, str) else list(targets):
+                if target in divisors and not np.array_equal(divisors[target], scale):
+                    what = (
+                        f"folds `{path}` and `{sources[target]}` into `{target}`, but their "
+                        "AWQ scales differ, and one leaf can be divided by one set only. "
+                        "Calibrate the weights that share an input together, or fold "
+                        "into separate leaves."
+                    )
+                    raise ValueError(_FOLD_MSG.format(what=what))
+                divisors[target], sources[target] = scale, path
+            leaf = leaf.base
+        out.append((path, name, leaf))
+    unused = sorted(set(fold) - {path for path, _, leaf in named if isinstance(leaf, InputScaled)})
+    if unused:
+        what = f"names {unused}, which are not `InputScaled` weights the map writes."
+        raise ValueError(_FOLD_MSG.format(what=what))
+    return out, divisors
+
+
+def _divided(path: str, leaf: Any, scale: np.ndarray) -> Any:
+    """`leaf` with its axis 0 divided by `scale`, in its own dtype: a plain
+    array, or a quantised weight `(out, in)` whose rows' scales are divided (its
+    codes unchanged: exact, as AutoAWQ's folding into a previous Linear is
+    before that Linear is quantised)."""
+    rows = isinstance(leaf, (Int4Array, Int8Array, GroupedIntArray)) and not leaf.transposed
+    if isinstance(leaf, quaxlike.Value) and not rows:
+        what = (
+            f"folds into `{path}`, a {type(leaf).__name__}: name a plain array there, "
+            "or a weight quantised by rows (`Int4Array`, `Int8Array`, `GroupedIntArray`)."
+        )
+        raise ValueError(_FOLD_MSG.format(what=what))
+    array = _host(leaf.scale if rows else leaf)
+    if array.ndim < 1 or array.shape[0] != scale.shape[0]:
+        what = (
+            f"folds scales of {scale.shape[0]} input channels into `{path}` of shape "
+            f"{tuple(leaf.shape)}, whose axis 0 does not have that size."
+        )
+        raise ValueError(_FOLD_MSG.format(what=what))
+    divisor = scale.reshape(-1, *[1] * (array.ndim - 1))
+    divided = (array.astype(np.float32) / divisor).astype(array.dtype)
+    return leaf.with_scale(jnp.asarray(divided)) if rows else divided

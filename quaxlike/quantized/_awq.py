@@ -30,7 +30,15 @@ from jax import lax
 from jaxtyping import Array, ArrayLike
 
 import quaxlike
-from quaxlike.internal import bind_dot_general, dot_general_labels, materialise_value, ShapedArray
+from quaxlike.internal import (
+    bind_dot_general,
+    dot_general_labels,
+    follow_axes,
+    logical_entries,
+    materialise_value,
+    ShapedArray,
+    with_leaf_specs,
+)
 
 from ._rounding import fake_quantize, Grid, layer_error
 
@@ -121,6 +129,30 @@ class InputScaled(quaxlike.ArrayValue):
         base = self.base
         dense = materialise_value(base) if isinstance(base, quaxlike.Value) else base
         return self._divided(dense)
+
+    def logical_leaf_specs(self, spec: Any) -> "InputScaled":
+        """How `base` and `scale` follow a sharding of the weight (see
+        `quaxlike.leaf_specs`): `base`, which has the weight's shape, as its own
+        type declares (a quantised base splits its codes and scales by rows and
+        whole groups of columns), and `scale` along the batch axes and the input
+        axis (the last, or the second last when `transposed`).
+
+        **Arguments:**
+
+        - `spec`: a `PartitionSpec` of the weight.
+
+        **Returns:**
+
+        This value with the specs of its leaves in place of them.
+        """
+        ndim = len(self.base.shape)
+        entries = logical_entries(spec, ndim)
+        inputs = ndim - 2 if self.transposed else ndim - 1
+        return with_leaf_specs(
+            self,
+            base=quaxlike.leaf_specs(self.base, spec),
+            scale=follow_axes(entries, [*range(ndim - 2), inputs]),
+        )
 
     def dequantize(self) -> Array:
         """The dense weight `base.dequantize() / scale`, built on purpose."""
