@@ -75,8 +75,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import os
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -92,7 +90,8 @@ import optax
 from _decoder import Decoder, hand_lora, hand_trainable, Shape, SHAPES
 from _execute import execute
 from _live_buffers import dump_options, print_live_at_peak
-from _sharded import describe, measure_sharded, sharded_loss, weight_shapes
+from _sharded import make_mesh
+from _sharded_tables import print_sharded_tables, sharded_quick_subprocess
 
 import quaxlike
 from quaxlike.lora import loraify, partition, qlora
@@ -571,104 +570,19 @@ def dora_notes(results: dict[str, Result | None]) -> list[str]:
     return notes
 
 
-def sharded_quick_subprocess() -> None:
-    """The quick mode's multi-device table (the tiny model on 2 devices), in a
-    process of its own: fake devices only take effect before JAX starts."""
-    import subprocess
-
-    command = [sys.executable, os.path.abspath(__file__), "--quick", "--devices", "2"]
-    result = subprocess.run([*command, "--sharded-only"], capture_output=True, text=True)
-    # Its table only: this process has printed the header (machine, versions).
-    title = "### Sharded"
-    print(title + result.stdout.split(title, 1)[-1] if title in result.stdout else "", end="")
-    if result.returncode:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
-
-
 def sharded_tables(shape: Shape, args, optimiser, nf4: bool) -> None:
-    """The QLoRA steps of `shape` compiled over each `--devices` count (FSDP, every
-    Value split by its logical rows, each block gathered in the layer loop as
-    stored), for each `--batch`: per-device memory, compile time and the bytes of
-    each collective per step."""
-    table = h.Table(
-        f"Sharded fine-tuning step, {shape.name} (d={shape.dim}, {shape.layers} layers, "
-        f"seq {shape.seq}; FSDP over N fake CPU devices; "
-        f"{_memory_title(memory_options(shape, args))})",
-        [
-            "step",
-            "plan",
-            "N",
-            "batch",
-            "peak / device",
-            "arguments",
-            "temporaries",
-            "compile",
-            "collectives per step (per device)",
-            "all-gathered, by dtype",
-            "dequantised weights gathered",
-        ],
-    )
-    available = jax.device_count()
-    weights = weight_shapes(shape)
-    dumps = []
-    for name in args.sharded_rows:
-        if name == NF4 and not nf4:
-            continue
-        for n in args.devices:
-            if n > available:
-                table.add(name, "-", str(n), "-", f"only {available} devices", *["-"] * 6)
-                continue
-            for plan, batch in [(p, b) for p in args.plans for b in args.batch]:
-                memory = memory_options(shape, args)
-                if n > 1 and plan == "fsdp":
-                    memory["layer_mesh"] = _sharded_mesh(n)
-                build, _ = VARIANTS[name]
-                state, _ = abstract_state(shape, build, optimiser, memory)
-                loss = sharded_loss(lambda m, t, y: m.loss(t, y))
-                row = f"{name}, {plan}, N = {n}, batch {batch}"
-                dump = _row_folder(args.dump, row) if args.dump else None
-                r = measure_sharded(
-                    shape, state, loss, optimiser, h.training_step, n, batch, weights,
-                    compiler_options=dump_options(dump) if dump else None,
-                    peak_bytes=h.peak_bytes,
-                )  # fmt: skip
-                dumps += [(row, dump)] if dump else []
-                d = describe(r)
-                table.add(
-                    name,
-                    plan if n > 1 else "-",
-                    str(n),
-                    f"{batch} x {shape.seq}",
-                    h.fmt_bytes(r.peak),
-                    h.fmt_bytes(r.arguments),
-                    h.fmt_bytes(r.temporaries),
-                    h.fmt_time(r.compile_s),
-                    d["moved"],
-                    d["gathered"],
-                    str(r.dequantised),
-                )
-                sys.stdout.flush()
-    table.print(
-        [
-            "peak = arguments + outputs + temporaries - aliased, per device (memory_analysis() "
-            "of the partitioned program); collectives: the bytes of each collective's result "
-            "on one device times the trip counts of the loops around it (optimised HLO)",
-            "dequantised weights gathered: floating-point all-gathers shaped like a "
-            "projection's (out, in), which must be 0 (only packed codes and scales move)",
-        ]
-    )
-    for row, dump in dumps:
-        print_live_at_peak(f"{row} ({shape.name})", dump, h.fmt_bytes)
+    """The QLoRA steps of `shape` compiled over each `--devices` count: the rows of
+    `--sharded-rows` (NF4's only where it is available), see `_sharded_tables.py`."""
+    rows = [name for name in args.sharded_rows if name != NF4 or nf4]
 
+    def state_for(name: str, n: int, plan: str):
+        memory = memory_options(shape, args)
+        if n > 1 and plan == "fsdp":
+            memory["layer_mesh"] = make_mesh(n)
+        return abstract_state(shape, VARIANTS[name][0], optimiser, memory)[0]
 
-def _row_folder(parent: str, row: str) -> str:
-    return os.path.join(parent, re.sub(r"[^A-Za-z0-9]+", "-", row).strip("-"))
-
-
-def _sharded_mesh(n: int):
-    from _sharded import make_mesh
-
-    return make_mesh(n)
+    title = _memory_title(memory_options(shape, args))
+    print_sharded_tables(shape, args, optimiser, rows, state_for, title)
 
 
 if __name__ == "__main__":
