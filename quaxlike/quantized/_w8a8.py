@@ -256,11 +256,16 @@ def _w8a8_dot(w: W8A8Array, other, dimension_numbers, params: dict, w_is_lhs: bo
     token_axis = o_labels.index(input_label)
     token_labels = [label for label in o_labels if label != input_label]
     scale_labels = [label for label in w_labels if label != input_label]
-    weight_only = w.int8_weight()
+    # The functions below are kept in the program (as the custom derivative's),
+    # so they close over static fields only, never over `w`'s arrays.
+    transposed = w.transposed
+    statics = {
+        f.name: getattr(w, f.name) for f in dataclasses.fields(w) if f.metadata.get("static")
+    }
 
     def accumulate(other, values):
         codes, x_scale = quantize_rows_int8(other, axis=token_axis)
-        stored = jnp.swapaxes(values, -1, -2) if w.transposed else values
+        stored = jnp.swapaxes(values, -1, -2) if transposed else values
         lhs, rhs = (stored, codes) if w_is_lhs else (codes, stored)
         acc = lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32)
         # torchao: the int32 sums times the activation scales (float32), cast to
@@ -285,7 +290,7 @@ def _w8a8_dot(w: W8A8Array, other, dimension_numbers, params: dict, w_is_lhs: bo
         if not _symbolic_zero(d_other):
             # Straight through the activations' quantisation: `dx` times the
             # dequantised weight, block by block as a weight-only product.
-            held = dataclasses.replace(weight_only, values=values, scale=w_scale)
+            held = Int8Array(values=values, scale=w_scale, **statics)
             dense = _quantized_dot(held, d_other, dimension_numbers, params, q_is_lhs=w_is_lhs)
             tangent = tangent + dense.astype(out.dtype)
         if not _symbolic_zero(d_scale):
