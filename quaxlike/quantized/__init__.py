@@ -7,6 +7,7 @@ indexing rules that never build the dense weight; and the layouts of PyTorch's
 (bitsandbytes)."""
 
 from . import (  # noqa: F401  (register the quantised arrays' rules)
+    _float8_rules,
     _indexing,
     _layout_rules,
     _matmul,
@@ -17,6 +18,11 @@ from ._awq import AWQ as AWQ, InputScaled as InputScaled
 from ._base import QuantizedArray as QuantizedArray
 from ._bnb import Bnb4bitArray as Bnb4bitArray
 from ._calibration import CalibrationError as CalibrationError
+from ._float8 import (
+    Float8Weight as Float8Weight,
+    float8_training as float8_training,
+    unwrap_float8 as unwrap_float8,
+)
 from ._gptq import GPTQ as GPTQ
 from ._grouped import (
     GroupedIntArray as GroupedIntArray,
