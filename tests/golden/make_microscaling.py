@@ -88,6 +88,7 @@ def special_weight() -> torch.Tensor:
     w[4, :32] *= 1e-30
     w[4, 32:] *= 2.0**-100
     w[5] *= 0.02
+    w[5, 3] = 1.97  # EVEN rounds an e4m3 block maximum of 1.97 up to 2
     w[6] = w[6].abs() * -1
     w[7, 16:32] = 6.0 * 2.0**-3  # NVFP4 block with an exact maximum
     return w
@@ -173,6 +174,7 @@ def make_compressed_tensors() -> list[str]:
             m.proj.bias.copy_(torch.randn(OUT_F, generator=g) * 0.1)
         x = torch.randn(3, IN, generator=g)
         m = m.to(dtype)
+        w_original = m.proj.weight.detach().clone()
         scheme = preset_name_to_scheme(preset, ["Linear"])
         qconfig = QuantizationConfig(
             config_groups={"group_0": QuantizationScheme(**scheme.model_dump())}
@@ -213,7 +215,7 @@ def make_compressed_tensors() -> list[str]:
             y = m(x.to(dtype))
         if not torch.equal(m.proj.weight.data, dec["weight"].to(m.proj.weight.dtype)):
             raise AssertionError(f"{name}: decompress_model and decompress differ")
-        ref = {"weight": dec["weight"], "x": x, "y": y.float()}
+        ref = {"weight": dec["weight"], "x": x, "y": y.float(), "w_original": w_original}
         save(OUT / f"{name}.reference.safetensors", ref)
         written.append(name)
     return written
