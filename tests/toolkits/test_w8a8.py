@@ -184,6 +184,12 @@ def test_stacked_weights_and_batched_products():
     layer = quaxlike.quaxify(lambda w, x: x @ w[1].T)(w, x[1])  # indexing keeps the type
     np.testing.assert_allclose(layer, ref[1], rtol=1e-5, atol=1e-5)
 
+    # `lax.scan` over the layers: each step gets one layer's W8A8Array.
+    def scanned(w, x):
+        return lax.scan(lambda carry, wx: (carry, wx[1] @ wx[0].T), 0.0, (w, x))[1]
+
+    np.testing.assert_allclose(jax.jit(quaxlike.quaxify(scanned))(w, x), ref, rtol=1e-5, atol=1e-5)
+
 
 # --- models: where=, checked mode, filter_jit, explain, sharding specs ---------------
 
