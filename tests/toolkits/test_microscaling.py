@@ -212,6 +212,34 @@ def test_grad_and_jvp_with_respect_to_the_input(kind):
     assert tree_allclose(ours(x, t), theirs, rtol=1e-4, atol=1e-4)
 
 
+def test_custom_vjp_and_custom_jvp_around_the_product():
+    # A custom_vjp holding the weight as a residual (its backward doubles the
+    # input's cotangent, so the rule must run it, not differentiate the primal)
+    # and relu's custom_jvp after it: against the same on the dense weight.
+    q = _weight("nvfp4")
+    dense = q.dequantize()
+
+    @jax.custom_vjp
+    def product(w, x):
+        return x @ w.T
+
+    def product_fwd(w, x):
+        return x @ w.T, (w, x)
+
+    def product_bwd(res, g):
+        w, _ = res
+        return None, 2.0 * (g @ w)
+
+    product.defvjp(product_fwd, product_bwd)
+
+    def loss(w, x):
+        return jnp.sum(jax.nn.relu(product(w, x)) ** 2)
+
+    x = randn(13, (4, 64))
+    grad = jax.jit(jax.grad(lambda x: quaxlike.quaxify(loss)(q, x)))(x)
+    assert tree_allclose(grad, jax.grad(loss, argnums=1)(dense, x), rtol=1e-4, atol=1e-3)
+
+
 def test_derivatives_of_the_per_tensor_scale():
     # NVFP4's per-tensor scale is its one float leaf: grad and jvp through the
     # quantised products equal those of the dense dequantisation (plain JAX).
