@@ -25,6 +25,7 @@ import quaxlike
 from quaxlike.lora import loraify, trainable_filter
 from quaxlike.quantized import (
     dequantize,
+    InputScaled,
     Int8Array,
     quantize,
     quantize_rows_int8,
@@ -189,6 +190,16 @@ def test_stacked_weights_and_batched_products():
         return lax.scan(lambda carry, wx: (carry, wx[1] @ wx[0].T), 0.0, (w, x))[1]
 
     np.testing.assert_allclose(jax.jit(quaxlike.quaxify(scanned))(w, x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_under_input_scales_the_scaled_input_is_quantised():
+    # An AWQ (or SmoothQuant-like) `InputScaled` over a W8A8 weight: the input is
+    # divided by the per-channel scales, then quantised per token.
+    w, s = randn(12, (12, 16)), jnp.exp(0.5 * randn(13, (16,)))
+    base = quantize_w8a8(w * s)
+    x = randn(14, (5, 16))
+    y = quaxlike.quaxify(product)(InputScaled(base, s), x)
+    np.testing.assert_allclose(y, ste_product(x / s, base.values, base.scale), rtol=1e-5, atol=1e-5)
 
 
 # --- models: where=, checked mode, filter_jit, explain, sharding specs ---------------
