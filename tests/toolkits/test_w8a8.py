@@ -147,6 +147,40 @@ def test_value_and_derivatives_are_the_straight_through_estimators(weight):
     np.testing.assert_allclose(gx, gx_ref, rtol=1e-4, atol=1e-5)
 
 
+@jax.custom_vjp
+def user_product(w, x):
+    return x @ w.T
+
+
+def _user_fwd(w, x):
+    return x @ w.T, (w, x)
+
+
+def _user_bwd(residuals, g):
+    w, x = residuals
+    return g.T @ x, g @ w  # the cotangents of the weight `(out, in)` and of `x`
+
+
+user_product.defvjp(_user_fwd, _user_bwd)
+
+
+def test_custom_vjp_and_custom_jvp_over_w8a8(weight):
+    # A user's custom_vjp holding the W8A8 weight as a residual: forward the int8
+    # product, backward the user's rule, whose weight cotangent reaches the
+    # scales through the dequantised weight `values * scale`.
+    x = randn(15, (5, 16))
+    loss = lambda w, x: jnp.sum(jax.nn.relu(quaxlike.quaxify(user_product)(w, x)))  # noqa: E731
+    gw, gx = eqx.filter_jit(eqx.filter_grad(lambda wx: loss(*wx)))((weight, x))
+    y = ste_product(x, weight.values, weight.scale)
+    g = (y > 0).astype(y.dtype)  # relu's custom_jvp
+    dense = weight.dequantize()
+    np.testing.assert_allclose(gx, g @ dense, rtol=1e-5, atol=1e-5)
+    ct_w = g.T @ x
+    np.testing.assert_allclose(
+        gw.scale, jnp.sum(ct_w * weight.values, axis=-1), rtol=1e-4, atol=1e-4
+    )
+
+
 def test_grad_inside_quaxify_is_the_straight_through_gradient(weight):
     # Reverse mode inside `quaxify` meets the weight in the transposed product
     # `g @ W`, the weight-only product: the same straight-through gradient.
