@@ -6,7 +6,7 @@ The rules (the float8 product and its backward pass) are in `_float8_rules.py`;
 the casts and scales in `_float8_scaling.py`."""
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -77,8 +77,10 @@ class Float8Weight(quaxlike.ArrayValue):
     float8 values are exact in `float32`), without float8 speed.
 
     Any other primitive sees the master weight (it materialises, which costs
-    nothing: the master weight is what is stored). Transposing the last two
-    axes and converting to another floating dtype keep a `Float8Weight`.
+    nothing: the master weight is what is stored; `quaxlike.explain` lists it,
+    and `materialise_policy("warn")` warns). Transposing the last two axes,
+    converting to another floating dtype, and indexing the leading (stacking)
+    axes (`w[i]` on a stack of layers) keep a `Float8Weight`.
     Forward-mode derivatives (`jax.jvp`, `jax.linearize`) are refused: the
     backward pass quantises the cotangent, which is not the transpose of any
     linear map; `unwrap_float8(model)` gives the high-precision model for them.
@@ -111,9 +113,6 @@ class Float8Weight(quaxlike.ArrayValue):
         if len(shape) < 2 or not jnp.issubdtype(jnp.result_type(self.weight), jnp.floating):
             got = f"an array of dtype {jnp.result_type(self.weight)} and shape {shape}"
             raise ValueError(_BAD_WEIGHT_MSG.format(function="Float8Weight", got=got))
-
-    # Materialising gives the master weight, which is stored anyway.
-    warn_on_materialise: ClassVar[bool] = False
 
     def aval(self) -> ShapedArray:
         shape = tuple(jnp.shape(self.weight))

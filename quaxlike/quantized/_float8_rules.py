@@ -182,3 +182,50 @@ def convert_element_type_p_float8(x: Float8Weight, *, new_dtype, **params):
         return NotImplemented
     weight = lax.convert_element_type(x.weight, new_dtype)
     return Float8Weight(weight, scaling=x.scaling, transposed=x.transposed)
+
+
+# --- indexing the stacking axes: a stack of layers stays float8 ------------------------
+#
+# `w[i]` on a stack `(layers, out, in)` (a Python loop over layers, `lax.fori_loop`,
+# `lax.dynamic_index_in_dim`) slices the leading axes only; the result is the layer's
+# own `Float8Weight`. A slice into the last two axes takes the master weight (it
+# materialises) and multiplies in high precision.
+
+
+def _whole_matrix(x: Float8Weight, sizes) -> bool:
+    return tuple(sizes[-2:]) == tuple(x.shape[-2:])
+
+
+def _stored_order(x: Float8Weight, per_axis) -> list:
+    per_axis = list(per_axis)
+    if x.transposed:
+        per_axis[-2], per_axis[-1] = per_axis[-1], per_axis[-2]
+    return per_axis
+
+
+@quaxlike.register(lax.slice_p)
+def slice_p_float8(x: Float8Weight, *, start_indices, limit_indices, strides, **params):
+    strides = (1,) * x.ndim if strides is None else strides
+    sizes = [limit - start for start, limit in zip(start_indices, limit_indices)]
+    if not _whole_matrix(x, sizes) or any(s != 1 for s in strides[-2:]):
+        return NotImplemented
+    starts, limits, steps = (_stored_order(x, v) for v in (start_indices, limit_indices, strides))
+    weight = lax.slice(x.weight, tuple(starts), tuple(limits), tuple(steps))
+    return Float8Weight(weight, scaling=x.scaling, transposed=x.transposed)
+
+
+@quaxlike.register(lax.dynamic_slice_p)
+def dynamic_slice_p_float8(x: Float8Weight, *indices: ArrayLike, slice_sizes, **params):
+    if not _whole_matrix(x, slice_sizes):
+        return NotImplemented
+    starts = _stored_order(x, indices)
+    weight = lax.dynamic_slice(x.weight, starts, _stored_order(x, slice_sizes))
+    return Float8Weight(weight, scaling=x.scaling, transposed=x.transposed)
+
+
+@quaxlike.register(lax.squeeze_p)
+def squeeze_p_float8(x: Float8Weight, *, dimensions, **params):
+    if any(d % x.ndim >= x.ndim - 2 for d in dimensions):
+        return NotImplemented
+    weight = lax.squeeze(x.weight, dimensions)
+    return Float8Weight(weight, scaling=x.scaling, transposed=x.transposed)
