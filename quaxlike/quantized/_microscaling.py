@@ -363,7 +363,9 @@ class NVFP4Array(MicroscaledArray):
 
     def block_scales(self, *scales: Array) -> Array:
         codes, per_row = scales
-        block = lookup(E4M3_LEVELS, codes)
+        # The e4m3 bits as float8, converted: exact, and faster on CPU than a
+        # lookup (the scales are not the elements, which a lookup decodes).
+        block = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
         tensor = per_row.astype(jnp.float32)
         return block / tensor if self.divide else tensor * block
 
