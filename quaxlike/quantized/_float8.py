@@ -84,6 +84,16 @@ class Float8Weight(quaxlike.ArrayValue):
     Forward-mode derivatives (`jax.jvp`, `jax.linearize`) are refused: the
     backward pass quantises the cotangent, which is not the transpose of any
     linear map; `unwrap_float8(model)` gives the high-precision model for them.
+    (A product traced by `jax.jit` before `jax.jvp` reaches it gets JAX's own
+    refusal of a `custom_vjp` instead of this type's.)
+
+    Differentiate outside `quaxify` (`jax.grad(quaxify(f))`, or
+    `eqx.filter_grad` of a loss that calls `quaxify`) for torchao's backward.
+    Inside it (`quaxify(jax.grad(f))`), JAX differentiates `dot_general` before
+    the rule sees it: the forward is float8, the input's gradient is JAX's
+    transposed product, a float8 product of the cotangent and the weight with
+    the forward's e4m3 casts, and the weight's gradient is in high precision
+    (straight through the casts; tested against that computation).
 
     **Arguments:**
 

@@ -427,3 +427,51 @@ def test_scan_over_stacked_layers():
     _close(g1.weight.weight, g2.weight.weight, rtol=1e-6)
     dense = jax.value_and_grad(looped)(unwrap_float8(params), x)
     assert not np.allclose(g1.weight.weight, dense[1].weight, rtol=1e-4)  # float8, not dense
+
+
+def test_grad_inside_quaxify_is_straight_through():
+    """`quaxify(jax.grad(f))`: JAX differentiates `dot_general` before the rule
+    sees it, so torchao's backward is not used (that needs `jax.grad` outside
+    `quaxify`). What it gives, as documented: the forward in float8, the input's
+    gradient as JAX's transposed product, a float8 product of the cotangent and
+    the weight with the forward's e4m3 casts, and the weight's gradient in
+    float32 from the float8 output's cotangent (straight through the casts)."""
+    w = jr.normal(jr.key(0), (16, 32))
+    x = jr.normal(jr.key(1), (5, 32))
+    loss = lambda w, x: jnp.sum(jnp.sin(x @ w.T))  # noqa: E731
+    inner = jax.jit(quaxlike.quaxify(jax.grad(loss, (0, 1))))(Float8Weight(w), x)
+    outer = jax.jit(jax.grad(quaxlike.quaxify(loss), (0, 1)))(Float8Weight(w), x)
+
+    def emulated(w, x):
+        out = _q(x, E4M3, None, False) @ _q(w, E4M3, None, False).T
+        ct = jnp.cos(out)
+        return ct.T @ x, _q(ct, E4M3, None, False) @ _q(w, E4M3, None, False)
+
+    want_w, want_x = jax.jit(emulated)(w, x)
+    _close(inner[0], want_w, rtol=1e-5)
+    _close(inner[1], want_x, rtol=1e-5)
+    # Not torchao's backward (the outer gradient: the cotangent in e5m2, the
+    # weight's gradient a float8 product too).
+    assert not np.allclose(inner[0], outer[0].weight, rtol=1e-3)
+    assert not np.allclose(inner[1], outer[1], rtol=1e-3)
+
+
+def test_dora_over_float8():
+    """DoRA over a float8 base: the base product is a float8 product (DoRA's rule
+    multiplies the base with the input and, for its detached norm, with `B`),
+    close to DoRA over the dense weight, and nothing materialises."""
+    linear = eqx.nn.Linear(32, 16, key=jr.key(0))
+    dora = loraify(float8_training(linear), rank=4, key=jr.key(1), dora=True)
+    dense = loraify(linear, rank=4, key=jr.key(1), dora=True)
+    x = jr.normal(jr.key(2), (5, 32))
+    apply = lambda m, x: jax.vmap(m)(x)  # noqa: E731
+    report = quaxlike.explain(apply)(dora, x)
+    assert not report.materialised
+    assert any("float8" in r.handler for r in report.walk())
+    loss = lambda m, x: jnp.sum(quaxlike.quaxify(apply)(m, x) ** 2)  # noqa: E731
+    (v, g), (vd, gd) = (
+        eqx.filter_jit(eqx.filter_value_and_grad(loss))(m, x) for m in (dora, dense)
+    )
+    assert not np.isclose(v, vd, rtol=1e-4)
+    _close(v, vd, rtol=0.05)
+    _close(g.weight.b, gd.weight.b, rtol=0.1)
