@@ -35,6 +35,8 @@ from ._microscaling import (
     MicroscaledArray as MicroscaledArray,
     MXArray as MXArray,
     NVFP4Array as NVFP4Array,
+)
+from ._microscaling_quantize import (
     quantize_mx as quantize_mx,
     quantize_nvfp4 as quantize_nvfp4,
 )

@@ -13,7 +13,8 @@ from ..selection import replace_selected
 from ._awq import InputScaled
 from ._base import DEFAULT_BLOCK_BYTES, QuantizedArray
 from ._calibrated import calibrated_quantize
-from ._microscaling import MX_BLOCK, NVFP4_BLOCK, quantize_mx, quantize_nvfp4
+from ._microscaling import MX_BLOCK, NVFP4_BLOCK
+from ._microscaling_quantize import quantize_mx, quantize_nvfp4
 from ._nf4 import quantize_nf4
 from ._value import (
     _BAD_BITS_MSG,

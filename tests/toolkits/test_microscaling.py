@@ -32,7 +32,8 @@ from quaxlike.quantized import (
     quantize_nvfp4,
     with_matmul,
 )
-from quaxlike.quantized._microscaling import _round_e2m1, E4M3_LEVELS
+from quaxlike.quantized._microscaling import E4M3_LEVELS
+from quaxlike.quantized._microscaling_quantize import _round_e2m1
 
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden", "microscaling")
