@@ -109,7 +109,8 @@ class Float8Weight(quaxlike.ArrayValue):
         f8 = Float8Weight(w)
         x = jr.normal(jr.key(1), (4, 32))
         y = quaxlike.quaxify(lambda w, x: x @ w.T)(f8, x)  # a float8 dot_general
-        assert jnp.allclose(y, x @ w.T, rtol=0.1, atol=0.2)
+        error = jnp.linalg.norm(y - x @ w.T) / jnp.linalg.norm(x @ w.T)
+        assert 0 < error < 0.05  # e4m3 keeps 3 bits of mantissa
         ```
     """
 
