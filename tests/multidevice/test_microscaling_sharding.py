@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import quaxlike
 from quaxlike.lora import LoraArray
-from quaxlike.quantized import quantize_mx, quantize_nvfp4
+from quaxlike.quantized import MicroscaledArray, quantize_mx, quantize_nvfp4
 
 
 pytestmark = pytest.mark.skipif(
@@ -29,7 +29,8 @@ def _lora(w):
 
 def _dense(v):
     if isinstance(v, LoraArray):
-        return v.w.dequantize() + v.a @ v.b
+        assert isinstance(v.w, MicroscaledArray)
+        return v.w.dequantize() + quaxlike.quaxify(lambda a, b: a @ b)(v.a, v.b)
     return v.dequantize()
 
 
