@@ -325,6 +325,23 @@ def test_transpose_astype_and_materialise():
     # Anything else sees the master weight.
     total = jq(lambda w: jnp.sum(w * 2))(f8)
     np.testing.assert_allclose(total, jnp.sum(w * 2), rtol=1e-6)
+    # Two float8 weights: the right one takes the input's role.
+    v = jr.normal(jr.key(1), (4, 16))
+    both = jq(lambda a, b: a @ b.T)(f8, Float8Weight(v))
+    np.testing.assert_array_equal(both, jq(lambda a, b: a @ b.T)(f8, v))
+    # bfloat16 operands with a float32 result: the product's dtype, and
+    # cotangents in the operands' dtypes.
+    h16, v16 = Float8Weight(w.astype(jnp.bfloat16)), v.astype(jnp.bfloat16)
+
+    def f32_product(h, v):
+        return jnp.matmul(v, h.T, preferred_element_type=jnp.float32)
+
+    loss = lambda h, v: jnp.sum(quaxlike.quaxify(f32_product)(h, v))  # noqa: E731
+    product = jq(f32_product)(h16, v16)
+    g_h, g_v = jax.jit(jax.grad(loss, (0, 1)))(h16, v16)
+    assert product.dtype == jnp.float32
+    assert g_h.weight.dtype == g_v.dtype == jnp.bfloat16
+    _close(product, v16.astype(jnp.float32) @ w.T, rtol=0.1)
 
 
 def test_leaf_specs():
