@@ -12,6 +12,7 @@ from . import (  # noqa: F401  (register the quantised arrays' rules)
     _layout_rules,
     _matmul,
     _microscaling_rules,
+    _qat_rules,
     _rules,
 )
 from ._awq import AWQ as AWQ, InputScaled as InputScaled
@@ -46,6 +47,12 @@ from ._nf4 import (
     NF4Array as NF4Array,
     normal_float_levels as normal_float_levels,
     quantize_nf4 as quantize_nf4,
+)
+from ._qat import (
+    ActivationFakeQuantized as ActivationFakeQuantized,
+    fake_quantize as fake_quantize,
+    fake_quantize_tokens as fake_quantize_tokens,
+    FakeQuantized as FakeQuantized,
 )
 from ._value import (
     Int4Array as Int4Array,

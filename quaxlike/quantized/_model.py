@@ -16,6 +16,7 @@ from ._calibrated import calibrated_quantize
 from ._microscaling import MX_BLOCK, NVFP4_BLOCK
 from ._microscaling_quantize import quantize_mx, quantize_nvfp4
 from ._nf4 import quantize_nf4
+from ._qat import convert_fake_quantized, holds_fake_quantized
 from ._value import (
     _BAD_BITS_MSG,
     _DOUBLE_QUANT_MSG,
@@ -54,6 +55,12 @@ def quantize(
     scales are floating-point leaves, so `eqx.filter_grad` gives gradients for them
     (and for the biases) and `None` for the codes, while `jax.grad` refuses the
     model because of its integer leaves.
+
+    A model holding `FakeQuantized` weights (quantisation-aware training, from
+    `fake_quantize`, inside LoRA weights too) is converted instead: each becomes
+    the stored type with the settings it was trained with, computing what its
+    forward pass computed; pass no other settings than `allow_materialise`,
+    `block_bytes` and `matmul`.
 
     **Arguments:**
 
@@ -124,6 +131,21 @@ def quantize(
         ```
     """
     options = dict(allow_materialise=allow_materialise, block_bytes=block_bytes, matmul=matmul)
+    if holds_fake_quantized(model):
+        # Quantisation-aware training's model: each `FakeQuantized` becomes its
+        # stored type with the settings it was trained with.
+        return convert_fake_quantized(
+            model,
+            bits=bits,
+            group_size=group_size,
+            double_quant=double_quant,
+            where=where,
+            method=method,
+            calibration=calibration,
+            run=run,
+            activations=activations,
+            options=options,
+        )
     if double_quant and bits != "nf4":
         raise ValueError(_DOUBLE_QUANT_MSG.format(bits=bits))
     if activations is not None:
