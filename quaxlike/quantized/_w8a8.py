@@ -20,6 +20,18 @@ computation `(x + stop_gradient(fq(x) - x)) @ W.T`, `fq` the activations'
 quantise-dequantise; tests compare with it. A product that does not contract
 the weight's input axis (the transposed product `g @ W` a backward pass takes)
 has no activation to quantise and is the weight-only product.
+
+Inside `quaxify`, a `jax.jvp` (or `jax.linearize`, `jax.jacfwd`) taken there
+meets the weight through JAX's own rule for `dot_general`, which is bilinear:
+the tangent is the product of the tangent `dx` with the weight, and that
+product is evaluated as every product with a `W8A8Array` is, with `dx`
+quantised per token. So the tangent is `fq(dx) @ W.T`: the straight-through
+tangent evaluated at int8 precision, as `precision=` lowers the precision of a
+`dot_general` and of its tangent product alike (tested: exactly the int8
+product of `dx`, and within half a code step per token of `dx @ W.T`, which the
+same `jvp` outside `quaxify` gives). Reverse mode inside `quaxify` meets the
+weight in the transposed product `g @ W`, weight-only, so `jax.grad` gives the
+straight-through gradient wherever it is taken.
 """
 
 import dataclasses

@@ -191,17 +191,29 @@ def test_grad_inside_quaxify_is_the_straight_through_gradient(weight):
     np.testing.assert_allclose(gx, ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="jax.jvp inside quaxify: JAX's rule for dot_general hands the tangent to "
-    "the same product, which quantises it (take jvp outside quaxify)",
-)
-def test_jvp_inside_quaxify(weight):
+def test_jvp_inside_quaxify_is_the_int8_product_of_the_tangent(weight):
+    """Forward mode inside `quaxify`: JAX's rule for `dot_general` (bilinear) forms
+    the tangent as the product of the tangent with the weight, and every product
+    with a `W8A8Array` that contracts its input axis is evaluated with int8
+    activations, the tangent's as any other's (as `precision=` lowers a
+    `dot_general`'s tangent product with it). So the tangent is exactly the int8
+    product of `dx`, and the straight-through tangent `dx @ W.T` (what the same
+    jvp gives outside `quaxify`) to int8 precision: one code step of the tangent's
+    largest entry per token."""
     x, dx = randn(7, (5, 16)), randn(8, (5, 16))
     inner = lambda w, x, dx: jax.jvp(lambda x: x @ w.T, (x,), (dx,))[1]  # noqa: E731
     t = quaxlike.quaxify(inner)(weight, x, dx)
-    t_ref = jax.jvp(lambda x: ste_product(x, weight.values, weight.scale), (x,), (dx,))[1]
-    np.testing.assert_allclose(t, t_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        t, ste_product(dx, weight.values, weight.scale), rtol=1e-6, atol=1e-6
+    )
+    outside = jax.jvp(lambda x: quaxlike.quaxify(product)(weight, x), (x,), (dx,))[1]
+    dense = weight.dequantize()
+    np.testing.assert_allclose(outside, dx @ dense.T, rtol=1e-5, atol=1e-5)
+    # Per token, the int8 rounding of `dx` moves each entry by at most half a step.
+    step = jnp.max(jnp.abs(dx), axis=-1, keepdims=True) / 127.5
+    bound = 0.5 * step * jnp.sum(jnp.abs(dense), axis=-1)[None, :]
+    assert bool(jnp.all(jnp.abs(t - outside) <= bound * (1 + 1e-5) + 1e-6))
+    assert not np.allclose(t, outside, rtol=1e-6, atol=1e-6)  # evaluated in int8 indeed
 
 
 def test_products_that_meet_no_activation_are_weight_only(weight):
