@@ -253,7 +253,9 @@ def load_safetensors(
         read as a `GroupedIntArray`.
     - compressed-tensors `nvfp4-pack-quantized` and `mxfp4-pack-quantized`
         (`<name>_packed` in `uint8`, e2m1 codes; e4m3 scales and a global scale,
-        or E8M0 scales), read as an `NVFP4Array` or an `MXArray`.
+        or E8M0 scales), read as an `NVFP4Array` or an `MXArray`, and
+        `mxfp8-quantized` (`<name>` in float8 e4m3, E8M0 `<name>_scale`), an
+        `MXArray`.
 
     Each dequantises exactly as its library does, cast to the model leaf's
     dtype. Where a file alone does not settle a layout, the checkpoint's

@@ -6,7 +6,9 @@ for a weight named `<module>.weight`,
   `weight_global_scale` `float32 [1]`; the library dequantises `value *
   (scale / global_scale)` in float32 and returns bfloat16;
 - `mxfp4-pack-quantized`: `weight_packed` as above and `weight_scale` `uint8 [out,
-  in / 32]`, E8M0 exponents; `value * 2 ** (scale - 127)`, bfloat16.
+  in / 32]`, E8M0 exponents; `value * 2 ** (scale - 127)`, bfloat16;
+- `mxfp8-quantized`: `weight` itself in `float8_e4m3fn [out, in]` and
+  `weight_scale` as for mxfp4.
 
 Told apart from `pack-quantized` (integer codes in `int32` words) by the codes'
 dtype, and from each other by the global scale. safetensors' NumPy reader has
@@ -24,7 +26,8 @@ from ._source import Source
 
 NVFP4 = "compressed-tensors nvfp4-pack-quantized"
 MXFP4 = "compressed-tensors mxfp4-pack-quantized"
-LAYOUTS = (NVFP4, MXFP4)
+MXFP8 = "compressed-tensors mxfp8-quantized"
+LAYOUTS = (NVFP4, MXFP4, MXFP8)
 
 _SHAPE_MSG = (
     "`load_safetensors`: {name!r} is {layout}, but its `{key}` has shape {got} where "
@@ -37,6 +40,9 @@ _DTYPE_MSG = (
 
 def microscaled_layout(name: str, source: Source) -> str | None:
     """The microscaling layout stored under the weight `name`, or None."""
+    scale = f"{name}_scale"
+    if name in source and source.dtype(name) == "F8_E4M3":
+        return MXFP8 if scale in source and source.dtype(scale) == "U8" else None
     packed = f"{name}_packed"
     if not name.endswith("weight") or packed not in source or source.dtype(packed) != "U8":
         return None
@@ -62,12 +68,14 @@ def _bytes(source: Source, key: str) -> np.ndarray:
 def read_microscaled(
     name: str, layout: str, source: Source, path: str, shape: tuple[int, ...]
 ) -> Layer:
-    """The weight `name` as an `MXArray` (mxfp4) or `NVFP4Array` of shape `shape`."""
+    """The weight `name` as an `MXArray` (mxfp4, mxfp8) or `NVFP4Array` of shape
+    `shape`."""
     out, columns = shape
     block = 16 if layout == NVFP4 else 32
     scale_dtype = "F8_E4M3" if layout == NVFP4 else "U8"
+    codes = name if layout == MXFP8 else f"{name}_packed"
     want = {
-        f"{name}_packed": (out, columns // 2),
+        codes: (out, columns if layout == MXFP8 else columns // 2),
         f"{name}_scale": (out, columns // block),
     }
     for key, expected in want.items():
@@ -94,12 +102,13 @@ def read_microscaled(
                 want=scale_dtype,
             )
         )
-    qdata = _bytes(source, f"{name}_packed")
+    qdata = _bytes(source, codes)
     scale = _bytes(source, f"{name}_scale")
     # The library's decompressors return bfloat16; the loader casts to the leaf's.
-    if layout == MXFP4:
+    if layout in (MXFP4, MXFP8):
+        fmt = "mxfp4" if layout == MXFP4 else "mxfp8"
         return Layer(
-            MXArray, {"qdata": qdata, "scale": scale}, {"format": "mxfp4", "dtype_name": "bfloat16"}
+            MXArray, {"qdata": qdata, "scale": scale}, {"format": fmt, "dtype_name": "bfloat16"}
         )
     global_scale = np.asarray(source.get(f"{name}_global_scale"), np.float32)
     if global_scale.size != 1:

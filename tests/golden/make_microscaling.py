@@ -19,8 +19,8 @@ Every tensor written here was computed by the library itself:
 - ``torchao_nvfp4.safetensors``: ``NVFP4Tensor.to_nvfp4`` with and without the
   per-tensor scale ``per_tensor_amax_to_scale(amax)`` (what
   ``NVFP4WeightOnlyConfig`` passes), and ``.dequantize``;
-- ``ct_nvfp4/`` and ``ct_mxfp4/``: compressed-tensors checkpoints
-  (``nvfp4-pack-quantized`` and ``mxfp4-pack-quantized``) written by
+- ``ct_nvfp4/``, ``ct_mxfp4/`` and ``ct_mxfp8/``: compressed-tensors checkpoints
+  (``nvfp4-pack-quantized``, ``mxfp4-pack-quantized``, ``mxfp8-quantized``) written by
   ``ModelCompressor.compress_model`` after the weights were calibrated as
   llm-compressor's min-max observer does (``generate_gparam`` for NVFP4's global
   scale, ``calculate_qparams`` per group); the reference is the compressor's own
@@ -150,6 +150,7 @@ class _OneProj(nn.Module):
 def make_compressed_tensors() -> list[str]:
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.compressors.mxfp8.base import MXFP8QuantizationCompressor
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.quantization import (
         apply_quantization_config,
@@ -164,6 +165,7 @@ def make_compressed_tensors() -> list[str]:
     cases = [
         ("ct_nvfp4", "NVFP4A16", NVFP4PackedCompressor, torch.bfloat16),
         ("ct_mxfp4", "MXFP4A16", MXFP4PackedCompressor, torch.bfloat16),
+        ("ct_mxfp8", "MXFP8A16", MXFP8QuantizationCompressor, torch.bfloat16),
     ]
     for i, (name, preset, compressor, dtype) in enumerate(cases):
         g = torch.Generator().manual_seed(5000 + i)

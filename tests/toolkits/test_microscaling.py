@@ -114,7 +114,7 @@ def test_element_rounding_ties_to_even():
     assert np.nanmax(E4M3_LEVELS) == 448 and np.isnan(E4M3_LEVELS[[0x7F, 0xFF]]).all()
 
 
-@pytest.mark.parametrize("case", ["ct_nvfp4", "ct_mxfp4"])
+@pytest.mark.parametrize("case", ["ct_nvfp4", "ct_mxfp4", "ct_mxfp8"])
 def test_compressed_tensors_checkpoints_load(case):
     ref = _load(f"{case}.reference.safetensors")
     linear = eqx.nn.Linear(64, 48, key=jr.key(0), dtype=jnp.bfloat16)
@@ -123,6 +123,7 @@ def test_compressed_tensors_checkpoints_load(case):
     )
     w = model.weight
     assert isinstance(w, NVFP4Array if case == "ct_nvfp4" else MXArray)
+    assert case == "ct_nvfp4" or w.format == case[3:]
     assert w.dtype == jnp.bfloat16 and w.shape == (48, 64)
     # The library's `decompress`, bit for bit.
     assert _same(w.dequantize(), ref["weight"])
