@@ -81,7 +81,7 @@ class Float8Weight(quaxlike.ArrayValue):
     and `materialise_policy("warn")` warns). Transposing the last two axes,
     converting to another floating dtype, and indexing the leading (stacking)
     axes (`w[i]` on a stack of layers) keep a `Float8Weight`.
-    Forward-mode derivatives (`jax.jvp`, `jax.linearize`) are refused: the
+    Forward-mode derivatives (`jax.jvp`, `jax.linearize`) outside `quaxify` are refused: the
     backward pass quantises the cotangent, which is not the transpose of any
     linear map; `unwrap_float8(model)` gives the high-precision model for them.
     (A product traced by `jax.jit` before `jax.jvp` reaches it gets JAX's own
@@ -93,7 +93,11 @@ class Float8Weight(quaxlike.ArrayValue):
     the rule sees it: the forward is float8, the input's gradient is JAX's
     transposed product, a float8 product of the cotangent and the weight with
     the forward's e4m3 casts, and the weight's gradient is in high precision
-    (straight through the casts; tested against that computation).
+    (straight through the casts; tested against that computation). Forward mode
+    inside it (`quaxify(jax.jvp(...))`) likewise forms the tangent as JAX's product
+    of the tangent with the weight, which is evaluated in float8 as every product
+    with a `Float8Weight` is (as `precision=` lowers a `dot_general`'s tangent
+    product with it): the dense tangent to float8 precision (tested).
 
     **Arguments:**
 

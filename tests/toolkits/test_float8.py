@@ -492,3 +492,22 @@ def test_dora_over_float8():
     assert not np.isclose(v, vd, rtol=1e-4)
     _close(v, vd, rtol=0.05)
     _close(g.weight.b, gd.weight.b, rtol=0.1)
+
+
+def test_jvp_inside_quaxify_is_the_float8_product_of_the_tangent():
+    """`quaxify(jax.jvp(...))`: JAX's bilinear rule for `dot_general` forms the
+    tangent as the product of the tangent with the weight before the rule sees
+    it, and a product with a `Float8Weight` is evaluated in float8, the tangent's
+    as any other's (as `precision=` lowers a `dot_general`'s tangent product with
+    it). So the tangent is exactly the float8 product of `dx`, and the dense
+    tangent `dx @ W.T` to float8 precision. (Outside `quaxify` forward mode is
+    refused: `test_jvp_refused_naming_the_type`.)"""
+    w = jr.normal(jr.key(0), (16, 32))
+    x, dx = jr.normal(jr.key(1), (5, 32)), jr.normal(jr.key(2), (5, 32))
+    inner = lambda w, x, dx: jax.jvp(lambda x: x @ w.T, (x,), (dx,))[1]  # noqa: E731
+    t = jax.jit(quaxlike.quaxify(inner))(Float8Weight(w), x, dx)
+    want = _q(dx, E4M3, None, False) @ _q(w, E4M3, None, False).T
+    _close(t, want, rtol=1e-5)
+    dense = dx @ w.T
+    assert not np.allclose(t, dense, rtol=1e-4)  # evaluated in float8 indeed
+    _close(t, dense, rtol=0.1)
