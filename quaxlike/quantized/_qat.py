@@ -122,6 +122,15 @@ def fake_quantize_tokens(x: Array, bits: int, axis: int) -> Array:
     **Returns:**
 
     An array of `x`'s shape and dtype.
+
+    !!! example
+
+        ```python
+        x = jnp.array([[-1.5, 0.25, 253.5], [0.0, 0.0, 0.0]])
+        y = fake_quantize_tokens(x, bits=8, axis=-1)  # one scale per row (token)
+        assert jnp.allclose(y[0], jnp.array([-2.0, 0.0, 253.0]))
+        assert jnp.all(y[1] == 0)
+        ```
     """
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     fixed = lax.stop_gradient(x)

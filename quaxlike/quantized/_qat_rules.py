@@ -55,14 +55,36 @@ def _product(w: _Weight, other, w_on_left: bool, dimension_numbers, params):
 
 @quaxlike.register(lax.dot_general_p)
 def dot_general_p_fakequantized_any(
-    lhs: _Weight, rhs: ArrayLike | quaxlike.ArrayValue, *, dimension_numbers, **params
+    lhs: FakeQuantized, rhs: ArrayLike | quaxlike.ArrayValue, *, dimension_numbers, **params
 ):
     return _product(lhs, rhs, True, dimension_numbers, params)
 
 
 @quaxlike.register(lax.dot_general_p)
 def dot_general_p_any_fakequantized(
-    lhs: ArrayLike | quaxlike.ArrayValue, rhs: _Weight, *, dimension_numbers, **params
+    lhs: ArrayLike | quaxlike.ArrayValue, rhs: FakeQuantized, *, dimension_numbers, **params
+):
+    return _product(rhs, lhs, False, dimension_numbers, params)
+
+
+@quaxlike.register(lax.dot_general_p)
+def dot_general_p_activationfakequantized_any(
+    lhs: ActivationFakeQuantized,
+    rhs: ArrayLike | quaxlike.ArrayValue,
+    *,
+    dimension_numbers,
+    **params,
+):
+    return _product(lhs, rhs, True, dimension_numbers, params)
+
+
+@quaxlike.register(lax.dot_general_p)
+def dot_general_p_any_activationfakequantized(
+    lhs: ArrayLike | quaxlike.ArrayValue,
+    rhs: ActivationFakeQuantized,
+    *,
+    dimension_numbers,
+    **params,
 ):
     return _product(rhs, lhs, False, dimension_numbers, params)
 
@@ -132,10 +154,10 @@ def slice_p_fakequantized(x: FakeQuantized, *, start_indices, limit_indices, str
 
 
 @quaxlike.register(lax.dynamic_slice_p)
-def dynamic_slice_p_fakequantized(x: FakeQuantized, *indices, slice_sizes, **params):
+def dynamic_slice_p_fakequantized(x: FakeQuantized, *indices: ArrayLike, slice_sizes, **params):
     sizes = _stored(x, list(slice_sizes))
-    if sizes[-1] != x.weight.shape[-1] or any(jnp.ndim(i) for i in indices):
-        return NotImplemented
+    if len(indices) != len(x.shape) or sizes[-1] != x.weight.shape[-1]:
+        return NotImplemented  # dynamic shapes, or part of each stored row
     return x.with_weight(lax.dynamic_slice(x.weight, _stored(x, list(indices)), sizes))
 
 
