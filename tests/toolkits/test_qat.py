@@ -14,7 +14,7 @@ import jax.random as jr
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file
 
 import quaxlike
@@ -476,6 +476,27 @@ def test_leaf_specs_follow_the_logical_spec():
     converted = FakeQuantized(randn(27, (16, 64)), bits=4, activations=8).to_quantized()
     specs = quaxlike.leaf_specs(converted, P("data", None))
     assert specs.base.packed == P("data") and specs.base.scale == P("data")
+
+
+def test_placed_by_logical_sharding(mlp):
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    qat = fake_quantize(mlp, bits=4, activations=8)
+    placed = quaxlike.device_put(qat, NamedSharding(mesh, P("data")))
+    assert placed.layers[0].weight.weight.sharding.spec == P("data")
+
+    @eqx.filter_jit
+    def constrained(model, xs):
+        def apply(model, xs):
+            sharding = NamedSharding(mesh, P("data", None))
+            w = jax.lax.with_sharding_constraint(model.layers[0].weight, sharding)
+            return xs @ w.T
+
+        return quaxlike.quaxify(apply)(model, xs)
+
+    xs = randn(28, (4, 64))
+    out = constrained(placed, xs)
+    want = tokens_reference(xs, 8) @ qat.layers[0].weight.dequantize().T
+    assert np.allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
 def test_explain_names_the_rules(mlp):
