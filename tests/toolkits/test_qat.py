@@ -78,7 +78,16 @@ def matmul(w, x):
 
 @pytest.fixture(scope="module")
 def mlp():
-    return eqx.nn.MLP(64, 8, 64, depth=1, key=jr.key(0))
+    # Drawn by NumPy (Equinox's initialisers compile a program per shape).
+    shapes = eqx.filter_eval_shape(eqx.nn.MLP, 64, 8, 64, 1, key=jr.key(0))
+    rng = np.random.default_rng(0)
+
+    def fill(x):
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return jnp.asarray(rng.uniform(-0.125, 0.125, x.shape).astype(np.float32))
+
+    return jax.tree.map(fill, shapes)
 
 
 @eqx.filter_jit
@@ -89,24 +98,34 @@ def run(model, xs):
 # --- the grid: what quantize stores -------------------------------------------------
 
 
-@pytest.mark.parametrize("bits, group_size", SETTINGS)
+@pytest.mark.parametrize(
+    "bits, group_size",
+    [(8, None), (4, 32), (3, 32), (2, 32), pytest.param("nf4", 64, marks=pytest.mark.slow)],
+)
 def test_rounds_onto_quantizes_grid_bit_for_bit(bits, group_size):
     w = randn(1, (2, 16, 128))  # with a leading batch axis
     fq = FakeQuantized(w, bits=bits, group_size=group_size)
     stored = fq.to_quantized()
-    expected = {
+    make = {
         8: lambda: quantize_int8(w),
         4: lambda: quantize_int4(w, group_size=32),
         "nf4": lambda: quantize_nf4(w, group_size=64),
     }.get(bits)
-    if expected is not None:
-        assert type(stored) is type(expected())
-        assert np.array_equal(stored.dequantize(), expected().dequantize())
-    assert np.array_equal(fq.dequantize(), stored.dequantize())
-    assert np.array_equal(quaxlike.quaxify(lambda w: w + 0.0)(fq), stored.dequantize())
+    dense = stored.dequantize()
+    if make is not None:
+        expected = make()
+        assert type(stored) is type(expected)
+        assert np.array_equal(dense, expected.dequantize())
     x = randn(2, (2, 128, 3))
-    out = eqx.filter_jit(quaxlike.quaxify(matmul))(fq, x)
-    assert np.allclose(out, stored.dequantize() @ x, rtol=1e-6, atol=1e-6)
+
+    @eqx.filter_jit
+    def uses(fq, x):  # materialised (an elementwise op), and a product
+        return quaxlike.quaxify(lambda w: w + 0.0)(fq), quaxlike.quaxify(matmul)(fq, x)
+
+    materialised, product = uses(fq, x)
+    assert np.array_equal(fq.dequantize(), dense)
+    assert np.array_equal(materialised, dense)
+    assert np.allclose(product, dense @ x, rtol=1e-6, atol=1e-6)
 
 
 def test_group_sizes_and_defaults():
@@ -123,13 +142,19 @@ def test_group_sizes_and_defaults():
 @pytest.mark.parametrize("name", list(GRIDS))
 def test_weight_grids_equal_torchaos_fake_quantisation(name):
     # torchao's `_fake_quantize_affine` on quaxlike's grids (scales from
-    # `choose_qparams_affine`, under no_grad): the same values bit for bit, and
-    # its gradient `(ct * s) * (1 / s)`, the identity to float rounding.
+    # `choose_qparams_affine`, under no_grad): the same values, and its
+    # gradient `(ct * s) * (1 / s)`, the identity to float rounding.
     golden = load_file(GOLDEN / "weights.safetensors")
     bits, group_size = GRIDS[name]
     fq = FakeQuantized(golden["w"], bits=bits, group_size=group_size)
-    value, pullback = jax.vjp(lambda w: fq.with_weight(w).materialise(), jnp.asarray(golden["w"]))
-    assert np.array_equal(value, golden[f"{name}.fq"])
+    forward = lambda w: fq.with_weight(w).materialise()  # noqa: E731
+    value, pullback = jax.vjp(jax.jit(forward), jnp.asarray(golden["w"]))
+    # Within a few ulps: XLA may divide by a constant (the absmax by `code_max`)
+    # as a product with its reciprocal, a last bit off torch's division in some
+    # scales. A code that differs would be a whole step off.
+    expected = golden[f"{name}.fq"]
+    ulps = np.spacing(np.abs(expected).max(-1, keepdims=True))
+    assert np.all(np.abs(np.asarray(value) - expected) <= 4 * ulps)
     (grad,) = pullback(jnp.asarray(golden["ct"]))
     assert np.array_equal(grad, golden["ct"])  # exactly the identity here
     assert np.allclose(grad, golden[f"{name}.grad"], rtol=1e-5, atol=0)
@@ -139,7 +164,7 @@ def test_weight_grids_equal_torchaos_fake_quantisation(name):
 def test_per_token_activations_equal_torchao(bits):
     golden = load_file(GOLDEN / "activations.safetensors")
     x, ct = jnp.asarray(golden["x"]), jnp.asarray(golden["ct"])
-    value, pullback = jax.vjp(lambda x: fake_quantize_tokens(x, bits, -1), x)
+    value, pullback = jax.vjp(jax.jit(lambda x: fake_quantize_tokens(x, bits, -1)), x)
     (grad,) = pullback(ct)
     expected, expected_grad = golden[f"int{bits}.fq"], golden[f"int{bits}.grad"]
     # XLA's float32 division may differ from torch's in the last bit of a
@@ -152,7 +177,7 @@ def test_per_token_activations_equal_torchao(bits):
         assert (expected_grad == 0).sum() == 1  # the row made to clamp
     assert np.allclose(grad, expected_grad, rtol=1e-5, atol=1e-7)
     # And the plain-JAX reference of the test agrees with both.
-    assert np.allclose(tokens_reference(x, bits), value, rtol=1e-6, atol=1e-6)
+    assert np.allclose(jax.jit(tokens_reference, static_argnums=1)(x, bits), value, 1e-6, 1e-6)
 
 
 def test_linear_layer_equals_torchaos_fake_quantized_linear():
@@ -215,6 +240,7 @@ def test_grad_and_jvp_are_straight_through(bits, group_size):
     assert np.mean(np.asarray(got[0]) == 0) < 0.01
 
 
+@pytest.mark.slow
 def test_grad_under_vmap_over_inputs_and_over_stacked_weights():
     w, xs = randn(8, (3, 16, 64), 0.3), randn(9, (3, 64))
     fq = FakeQuantized(w, bits=4)
@@ -323,7 +349,13 @@ def test_scan_over_stacked_fake_quantized_layers():
 
 @pytest.mark.parametrize(
     "bits, group_size, activations",
-    [(8, None, None), (4, 32, 8), (3, 32, None), (2, 32, 4), ("nf4", 64, 8)],
+    [
+        (8, None, None),
+        (4, 32, 8),
+        pytest.param(3, 32, None, marks=pytest.mark.slow),
+        pytest.param(2, 32, 4, marks=pytest.mark.slow),
+        ("nf4", 64, 8),
+    ],
 )
 def test_quantize_converts_with_the_same_outputs(mlp, bits, group_size, activations):
     qat = fake_quantize(mlp, bits=bits, group_size=group_size, activations=activations)
@@ -533,6 +565,7 @@ def test_refusals_name_the_type_and_the_way_out(mlp):
         FakeQuantized(jnp.ones((4, 64), jnp.int32))
 
 
+@pytest.mark.slow
 def test_bfloat16_weights():
     w = randn(28, (8, 64)).astype(jnp.bfloat16)
     fq = FakeQuantized(w, bits=4, activations=8)
