@@ -20,7 +20,13 @@ import quaxlike
 from quaxlike.lora import LoraArray
 from quaxlike.named import NamedArray
 from quaxlike.prng import PRNGKeyValue
-from quaxlike.quantized import quantize_int4, quantize_int8, QuantizedArray
+from quaxlike.quantized import (
+    Float8Weight,
+    quantize_int4,
+    quantize_int8,
+    quantize_w8a8,
+    QuantizedArray,
+)
 from quaxlike.sparse import BCOO
 from quaxlike.structured import TriDiagonal
 from quaxlike.symbolic.constant import Constant
@@ -43,6 +49,10 @@ class Column:
     - `by_design`: why refusing to materialise is the point of the type, or None
         when the type materialises freely.
     - `tol`: `(rtol, atol)` for comparing with plain JAX.
+    - `atol_of_largest`: whether `atol` is a fraction of the plain result's
+        largest magnitude (at least 1) rather than absolute: for a type whose
+        products are evaluated in low precision, whose error grows with the
+        operands and their sums as a quantised product's does.
     - `rescale`: for a type whose results carry more than numbers (a unit), a
         function giving the same Value in another form (the same quantity in
         another unit); the results of both must agree once in `canonical` form
@@ -58,6 +68,7 @@ class Column:
     names: tuple[str, ...]
     by_design: str | None = None
     tol: tuple[float, float] = (1e-5, 1e-5)
+    atol_of_largest: bool = False
     rescale: Callable[[Any], Any] | None = None
     canonical: Callable[[Any], Any] | None = None
     unit_dependent: tuple[Callable, ...] = ()
@@ -95,6 +106,18 @@ def _int4(slot, array):
     if not (_floating(array) and array.ndim == 2 and array.shape[-1] % 2 == 0):
         return None
     return quantize_int4(jnp.asarray(array), group_size=2)
+
+
+def _w8a8(slot, array):
+    if not (_floating(array) and array.ndim == 2):
+        return None
+    return quantize_w8a8(jnp.asarray(array))
+
+
+def _float8(slot, array):
+    if not (_floating(array) and array.ndim >= 2):
+        return None
+    return Float8Weight(jnp.asarray(array))
 
 
 def _sparse(slot, array):
@@ -176,6 +199,28 @@ COLUMNS = [
         ("Int4Array",),
         _MATERIALISING.format(type="Int4Array"),
         (1e-4, 1e-4),
+    ),
+    # Products quantise the other operand too, per token to int8 (half a step of
+    # 1/127.5 of each token's largest entry), or both operands to float8 e4m3
+    # (within 2**-4 of each entry): compared at the type's precision, the error
+    # as a fraction of the result's largest entry.
+    Column(
+        "w8a8",
+        _w8a8,
+        "first",
+        ("W8A8Array",),
+        _MATERIALISING.format(type="W8A8Array"),
+        (2e-2, 2e-2),
+        atol_of_largest=True,
+    ),
+    Column(
+        "float8",
+        _float8,
+        "first",
+        ("Float8Weight", "Float8"),
+        None,
+        (0.1, 0.15),
+        atol_of_largest=True,
     ),
     Column("sparse", _sparse, "first", ("BCOO",), _MATERIALISING.format(type="BCOO"), (1e-4, 1e-4)),
     Column("named", _named, "first", ("NamedArray", "named")),

@@ -85,10 +85,14 @@ How each cell is made:
 - a column replaces the first array its type can stand for by a Value (all of
   them, for `unitful` and `prng`: quantities in metres meeting quantities, keys
   meeting keys); `lora` is a 4x4 `LoraArray` with a nonzero update, `int8` and
-  `int4` are quantised 4x4 matrices (`int4` with groups of 2), `sparse` is a
+  `int4` are quantised 4x4 matrices (`int4` with groups of 2), `w8a8` a
+  `W8A8Array` and `float8` a `Float8Weight` (whose products quantise the other
+  operand too: compared to 2 % and to 10 % plus 15 % of the result's largest
+  entry, their precision), `sparse` is a
   `BCOO`, `named` a `NamedArray` with axes `a`, `b`, `structured` a
   `TriDiagonal`, `constant` a `Constant` of 1.5 (2, `True`), `prng` an array of
-  typed keys;
+  typed keys (the MX and NVFP4 types need rows of 32 or 16 inputs, wider than
+  these arrays; their rules are the quantised arrays' of the `int4` column);
 - the call is traced as `jax.jit` traces it (so the rules see what they see in
   a jitted program), then run and compared with plain JAX; for `unitful` the
   same call with the quantities in another unit must give the same result in SI,

@@ -96,7 +96,7 @@ def _comparable(tree):
     return jax.tree.map(leaf, tree)
 
 
-def _close(got, expected, rtol, atol) -> bool:
+def _close(got, expected, rtol, atol, atol_of_largest=False) -> bool:
     got_leaves, got_tree = jax.tree.flatten(_comparable(got))
     exp_leaves, exp_tree = jax.tree.flatten(_comparable(expected))
     if got_tree != exp_tree:
@@ -109,8 +109,12 @@ def _close(got, expected, rtol, atol) -> bool:
             if a.dtype == bool or np.issubdtype(a.dtype, np.integer):
                 if not np.array_equal(a, b):
                     return False
-            elif not np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
-                return False
+            else:
+                finite = np.abs(b[np.isfinite(b)]) if b.size else b
+                largest = max(1.0, float(np.max(finite))) if finite.size else 1.0
+                scale = largest if atol_of_largest else 1.0
+                if not np.allclose(a, b, rtol=rtol, atol=atol * scale, equal_nan=True):
+                    return False
         elif a != b:
             return False
     return True
@@ -173,7 +177,7 @@ def _run_cell(fn: Callable, call: Call, column: Column, jit: bool) -> Cell:
         for x in jax.tree.leaves(got, is_leaf=lambda x: isinstance(x, quaxlike.Value))
     )
     rtol, atol = column.tol
-    if not _close(dense_tree(got), expected, rtol, atol):
+    if not _close(dense_tree(got), expected, rtol, atol, column.atol_of_largest):
         return Cell("wrong", "differs from plain JAX on the dense arrays")
     if (
         column.rescale is not None

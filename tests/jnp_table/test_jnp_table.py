@@ -53,8 +53,7 @@ def _check_column(name: str, cells: dict) -> None:
 
 # The columns every run checks: a symbolic type (zero), a low-rank and a
 # quantised weight, and a type that refuses what it cannot do (unitful). The
-# other seven (about 100 s of the table's 210 s in a default run on two cores)
-# are slow tests: CI's shards and `--run-slow` run them.
+# other eight are slow tests: CI's shards and `--run-slow` run them.
 DEFAULT_COLUMNS = ("zero", "lora", "int4", "unitful")
 
 
