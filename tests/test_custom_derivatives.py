@@ -7,6 +7,10 @@ For each type, `jax.jvp` and `jax.grad` of `quaxify(f)`, where `f` is a
 stands for, as functions of the Value's leaves. Every rule here gives twice the
 true derivative, so a rule that is skipped (the primal differentiated instead)
 gives a different answer and fails.
+
+Every type runs with `jax.custom_jvp` and `jax.custom_vjp` by default; Equinox's
+`filter_custom_jvp`/`filter_custom_vjp` (built on those two) run by default on
+the types in `EQX_BY_DEFAULT`, one of each kind, and on the others as slow tests.
 """
 
 import equinox as eqx
@@ -21,7 +25,14 @@ from jax import lax
 import quaxlike
 from quaxlike.lora import LoraArray, LoraConvKernel
 from quaxlike.named import NamedArray
-from quaxlike.quantized import quantize_int4, quantize_int8, quantize_nf4
+from quaxlike.quantized import (
+    FakeQuantized,
+    quantize_int4,
+    quantize_int8,
+    quantize_mx,
+    quantize_nf4,
+    quantize_nvfp4,
+)
 from quaxlike.sparse import BCOO
 from quaxlike.structured import Diagonal, TriDiagonal
 from quaxlike.symbolic.constant import Constant
@@ -69,7 +80,26 @@ TYPES = {
     "zero": lambda: Zero((4, 64), jnp.float32),
     "named": lambda: NamedArray(_normal(14, (4, 64)), ("out", "in")),
     "constant": lambda: Constant(jnp.float32(0.3), (4, 64), jnp.float32),
+    "mxfp4": lambda: quantize_mx(_normal(15, (4, 64)), format="mxfp4"),
+    "nvfp4": lambda: quantize_nvfp4(_normal(16, (4, 64))),
+    "fake-quantized int4": lambda: FakeQuantized(_normal(17, (4, 64)), bits=4, group_size=32),
 }
+# One type of each kind (low-rank, quantised under LoRA, sparse, symbolic, with
+# units) for Equinox's wrappers in a default run; the others are slow tests.
+EQX_BY_DEFAULT = ("lora frozen", "qlora int4", "sparse", "zero", "unitful")
+
+
+def _cases(function_names):
+    """(type, function) pairs, Equinox's wrappers on the other types marked slow."""
+    return [
+        pytest.param(
+            t,
+            f,
+            marks=[pytest.mark.slow] if f.startswith("eqx.") and t not in EQX_BY_DEFAULT else [],
+        )
+        for t in TYPES
+        for f in function_names
+    ]
 
 
 _dense = quaxlike.internal.array_for_derivatives
@@ -186,8 +216,7 @@ def _inexact(tree):
     return eqx.filter(tree, eqx.is_inexact_array)
 
 
-@pytest.mark.parametrize("function_name", list(FUNCTIONS))
-@pytest.mark.parametrize("type_name", list(TYPES))
+@pytest.mark.parametrize("type_name, function_name", _cases(list(FUNCTIONS)))
 def test_grad_runs_the_rule(type_name, function_name):
     function, _ = FUNCTIONS[function_name]
     through_quaxify, on_dense = _losses(function)
@@ -211,8 +240,9 @@ def _jvp_or_zero(f, primals, tangents):
     return out, jnp.zeros_like(out) if tangent is None else tangent
 
 
-@pytest.mark.parametrize("function_name", [n for n, (_, fwd) in FUNCTIONS.items() if fwd])
-@pytest.mark.parametrize("type_name", list(TYPES))
+@pytest.mark.parametrize(
+    "type_name, function_name", _cases([n for n, (_, fwd) in FUNCTIONS.items() if fwd])
+)
 def test_jvp_runs_the_rule(type_name, function_name):
     function, _ = FUNCTIONS[function_name]
     through_quaxify, on_dense = _losses(function)

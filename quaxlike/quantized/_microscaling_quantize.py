@@ -49,15 +49,10 @@ def _round_e2m1(x: Array) -> Array:
     a = jnp.abs(x)
     # The midpoints between neighbouring values; at a tie the even code wins:
     # (a >= t) where the code above is even, (a > t) where it is odd.
-    code = (
-        (a > 0.25).astype(jnp.uint8)
-        + (a >= 0.75)
-        + (a > 1.25)
-        + (a >= 1.75)
-        + (a > 2.5)
-        + (a >= 3.5)
-        + (a > 5.0)
-    ).astype(jnp.uint8)
+    # (Each comparison cast on its own: `uint8 + bool` has no promotion under
+    # `jax.numpy_dtype_promotion("strict")`.)
+    steps = (a > 0.25, a >= 0.75, a > 1.25, a >= 1.75, a > 2.5, a >= 3.5, a > 5.0)
+    code = sum((step.astype(jnp.uint8) for step in steps[1:]), steps[0].astype(jnp.uint8))
     return code | (jnp.signbit(x).astype(jnp.uint8) << 3)
 
 

@@ -577,3 +577,28 @@ def test_bfloat16_weights():
     real = np.asarray(product(fq.to_quantized(), x), np.float32)
     got = np.asarray(out, np.float32)
     assert np.linalg.norm(got - real) <= 1e-2 * np.linalg.norm(real)
+
+
+def test_activation_rounding_with_derivatives_taken_inside_quaxify():
+    """`activations=` with the derivative taken inside `quaxify`, where JAX forms
+    the tangent and cotangent products with the weight before any rule sees
+    them: the input's gradient is the straight-through one (the transposed
+    product `g @ q(W)` meets no activation), equal to the gradient taken outside;
+    a tangent product is evaluated as every product with the weight is, its
+    input (the tangent) rounded per token; and the weight's own gradient is
+    JAX's `gᵀ x` with the input as it is (that product does not meet the
+    weight), where the gradient taken outside is `gᵀ fq(x)`."""
+    w = FakeQuantized(jr.normal(jr.key(0), (16, 32)), bits=4, group_size=32, activations=8)
+    x, dx = jr.normal(jr.key(1), (5, 32)), jr.normal(jr.key(2), (5, 32))
+    qw = rounded_on(grid_for(4, 32), w.weight)
+    fq = lambda x: fake_quantize_tokens(x, 8, -1)  # noqa: E731
+    f = lambda w, x: jnp.sum(jnp.sin(x @ w.T))  # noqa: E731
+    inner = jax.jit(quaxlike.quaxify(jax.grad(f, argnums=(0, 1))))(w, x)
+    outer = jax.jit(jax.grad(quaxlike.quaxify(f), argnums=(0, 1)))(w, x)
+    g = jnp.cos(fq(x) @ qw.T)
+    np.testing.assert_allclose(inner[1], g @ qw, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outer[1], g @ qw, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(inner[0], g.T @ x, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outer[0].weight, g.T @ fq(x), rtol=1e-5, atol=1e-5)
+    jvp_inner = quaxlike.quaxify(lambda w, x, dx: jax.jvp(lambda x: x @ w.T, (x,), (dx,))[1])
+    np.testing.assert_allclose(jvp_inner(w, x, dx), fq(dx) @ qw.T, rtol=1e-5, atol=1e-5)
