@@ -89,7 +89,9 @@ def dot_general_p_any_activationfakequantized(
     return _product(rhs, lhs, False, dimension_numbers, params)
 
 
-@quaxlike.register(lax.dot_general_p)
+# Precedence: for two fake-quantised weights this rule and the one-sided ones
+# above all match, none more specific than the others (`matrix_power` of one).
+@quaxlike.register(lax.dot_general_p, precedence=1)
 def dot_general_p_fakequantized_fakequantized(
     lhs: _Weight, rhs: _Weight, *, dimension_numbers, **params
 ):

@@ -21,6 +21,7 @@ from quaxlike.lora import LoraArray
 from quaxlike.named import NamedArray
 from quaxlike.prng import PRNGKeyValue
 from quaxlike.quantized import (
+    FakeQuantized,
     Float8Weight,
     quantize_int4,
     quantize_int8,
@@ -118,6 +119,12 @@ def _float8(slot, array):
     if not (_floating(array) and array.ndim >= 2):
         return None
     return Float8Weight(jnp.asarray(array))
+
+
+def _fake_quantized(slot, array):
+    if not (_floating(array) and array.ndim >= 2):
+        return None
+    return FakeQuantized(jnp.asarray(array), bits=8)  # a scale per row: any shape
 
 
 def _sparse(slot, array):
@@ -222,6 +229,9 @@ COLUMNS = [
         (0.1, 0.15),
         atol_of_largest=True,
     ),
+    # Quantisation-aware training: the array is the weight rounded onto int8's
+    # grid (what `to_dense` materialises), every rule exact for it.
+    Column("fake-quantized", _fake_quantized, "first", ("FakeQuantized",), None, (1e-5, 1e-5)),
     Column("sparse", _sparse, "first", ("BCOO",), _MATERIALISING.format(type="BCOO"), (1e-4, 1e-4)),
     Column("named", _named, "first", ("NamedArray", "named")),
     Column(

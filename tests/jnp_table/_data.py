@@ -88,7 +88,8 @@ How each cell is made:
   `int4` are quantised 4x4 matrices (`int4` with groups of 2), `w8a8` a
   `W8A8Array` and `float8` a `Float8Weight` (whose products quantise the other
   operand too: compared to 2 % and to 10 % plus 15 % of the result's largest
-  entry, their precision), `sparse` is a
+  entry, their precision), `fake-quantized` a `FakeQuantized` int8 weight
+  (standing for the weight rounded onto its grid), `sparse` is a
   `BCOO`, `named` a `NamedArray` with axes `a`, `b`, `structured` a
   `TriDiagonal`, `constant` a `Constant` of 1.5 (2, `True`), `prng` an array of
   typed keys (the MX and NVFP4 types need rows of 32 or 16 inputs, wider than

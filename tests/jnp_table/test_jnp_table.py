@@ -53,7 +53,7 @@ def _check_column(name: str, cells: dict) -> None:
 
 # The columns every run checks: a symbolic type (zero), a low-rank and a
 # quantised weight, and a type that refuses what it cannot do (unitful). The
-# other eight are slow tests: CI's shards and `--run-slow` run them.
+# other nine are slow tests: CI's shards and `--run-slow` run them.
 DEFAULT_COLUMNS = ("zero", "lora", "int4", "unitful")
 
 

@@ -602,3 +602,11 @@ def test_activation_rounding_with_derivatives_taken_inside_quaxify():
     np.testing.assert_allclose(outer[0].weight, g.T @ fq(x), rtol=1e-5, atol=1e-5)
     jvp_inner = quaxlike.quaxify(lambda w, x, dx: jax.jvp(lambda x: x @ w.T, (x,), (dx,))[1])
     np.testing.assert_allclose(jvp_inner(w, x, dx), fq(dx) @ qw.T, rtol=1e-5, atol=1e-5)
+
+
+def test_two_fake_quantized_weights_multiply_without_ambiguity():
+    """A product of two fake-quantised weights (`matrix_power` of one) takes the
+    rule for both, each rounded, rather than failing between the one-sided rules."""
+    w = FakeQuantized(jr.normal(jr.key(0), (4, 4)), bits=8)
+    got = quaxlike.quaxify(lambda a: jnp.linalg.matrix_power(a, 3))(w)
+    np.testing.assert_allclose(got, jnp.linalg.matrix_power(w.materialise(), 3), rtol=1e-6)
