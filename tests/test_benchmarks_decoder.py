@@ -57,6 +57,9 @@ def _loss(quaxified: bool):
 
 # Groups of 2 (two groups and a layer left over) through `quaxify`; groups of 2
 # and of 5 (one group, nothing left over) in plain JAX, which compiles faster.
+# Slow tests: each compiles the decoder's step three times (a minute or more on
+# two cores); the residuals test below runs by default.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "build, quaxified, groups", [(_qlora, True, (2,)), (_hand, False, (2, 5))], ids=["nf4", "hand"]
 )

@@ -96,8 +96,8 @@ def test_scale_quick():
     assert "the chunked model the unchunked one's loss: True" in out
 
 
+@pytest.mark.slow  # four short training loops in one process: half a minute or more
 def test_soak_quick():
-    # Four short training loops in one process: about half a minute on two cores.
     out = _run_quick("soak")
     assert out.count("- CPU: ") == 1
     growth, caches, rss = (
@@ -212,3 +212,21 @@ def test_scale_devices_quick():
         assert cells[1:3] == ["fsdp", "2"] and cells[4].endswith("B")  # a peak in bytes
         assert "all-gather" in cells[8] and "u8" in cells[9]  # codes gathered
         assert cells[10] == "0"  # no dequantised weight gathered
+
+
+@pytest.mark.slow  # three scripts that train or compile small models: minutes on two cores
+@pytest.mark.parametrize(
+    "script, header",
+    [
+        ("qat", "| bits |"),
+        ("float8_step", "| step | peak GiB |"),
+        ("w8a8", "| tokens | float32 (MiB) |"),
+    ],
+)
+def test_low_precision_quick(script, header):
+    """The low-precision scripts (issue 43) run in `--quick` mode and print their
+    tables."""
+    out = _run_quick(script, timeout=900)
+    assert header in out, out[-3000:]
+    table = out.split(header, 1)[1].splitlines()
+    assert set(table[1]) <= set("|- "), table[:2]
