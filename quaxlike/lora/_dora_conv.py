@@ -270,7 +270,7 @@ class DoraConvKernel(LowRankValue):
         """
         if self.stop_gradient:
             return self.w_norm_sq
-        return channel_norms_squared(self.w, self.out_axis)
+        return channel_norms_squared(jnp.asarray(self.w), self.out_axis)  # a plain kernel
 
     def channel_scale(self) -> Array:
         """`m / n`, the factor of each output channel of `W + A · B` (`n` detached).

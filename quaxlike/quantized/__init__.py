@@ -1,10 +1,14 @@
 """Quantised weights: `Int8Array` (one scale per output channel), `Int4Array` (one
 scale per group of inputs, two codes per byte) and `NF4Array` (4-bit NormalFloat
 codes, optionally with double-quantised scales), with matrix-product and
-indexing rules that never build the dense weight; and the layouts of PyTorch's
-4-bit checkpoints as they are stored, read by `quaxlike.checkpoints`:
+indexing rules that never build the dense weight, rounded to nearest or
+calibrated (GPTQ, AWQ); the microscaling formats `MXArray` (mxfp8, mxfp4) and
+`NVFP4Array`; `W8A8Array` (int8 activations per token times int8 weights);
+training in low precision: `fake_quantize` (quantisation-aware training) and
+`float8_training` (`Float8Weight`); and the layouts of PyTorch's 4-bit
+checkpoints as they are stored, read by `quaxlike.checkpoints`:
 `GroupedIntArray` (GPTQ, AWQ, compressed-tensors) and `Bnb4bitArray`
-(bitsandbytes)."""
+(bitsandbytes). The docs' "Low precision" page shows them together."""
 
 from . import (  # noqa: F401  (register the quantised arrays' rules)
     _float8_rules,
@@ -20,8 +24,8 @@ from ._base import QuantizedArray as QuantizedArray
 from ._bnb import Bnb4bitArray as Bnb4bitArray
 from ._calibration import CalibrationError as CalibrationError
 from ._float8 import (
-    Float8Weight as Float8Weight,
     float8_training as float8_training,
+    Float8Weight as Float8Weight,
     unwrap_float8 as unwrap_float8,
 )
 from ._gptq import GPTQ as GPTQ

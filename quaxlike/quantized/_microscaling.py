@@ -94,6 +94,18 @@ class MicroscaledArray(QuantizedArray):
     **Arguments:**
 
     None of its own: build an `MXArray` or an `NVFP4Array`.
+
+    !!! example
+
+        ```python
+        from quaxlike.quantized import MicroscaledArray, quantize_mx, quantize_nvfp4
+
+        w = jr.normal(jr.key(0), (4, 64))
+        for q in (quantize_mx(w, format="mxfp4"), quantize_nvfp4(w)):
+            assert isinstance(q, MicroscaledArray) and q.group_size == q.block
+            y = quaxlike.quaxify(lambda w, x: w @ x)(q, jnp.ones(64))
+            assert jnp.allclose(y, q.dequantize() @ jnp.ones(64), atol=1e-4)
+        ```
     """
 
     qdata: eqx.AbstractVar[Array]

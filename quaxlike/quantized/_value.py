@@ -26,7 +26,7 @@ from ._base import (
 _BAD_BITS_MSG = (
     '`quantize`: `bits` must be 8, 4, 3 or 2, "nf4" for NormalFloat codes, or "mxfp8", '
     '"mxfp4" or "nvfp4" for the microscaling formats (rounded to nearest: GPTQ, AWQ '
-    'and quantisation-aware training produce the integer and NF4 types); got {bits!r}.'
+    "and quantisation-aware training produce the integer and NF4 types); got {bits!r}."
 )
 _DOUBLE_QUANT_MSG = (
     '`quantize`: `double_quant=True` quantises the scales of `bits="nf4"` only; '
