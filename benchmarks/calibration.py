@@ -26,31 +26,14 @@ CPU cores for 4 and 3 bits, most of it compiling GPTQ per weight shape.
 import argparse
 import time
 
-import equinox as eqx
-import jax
 import jax.numpy as jnp
+from _language_model import divergence, LENGTH, log_probabilities, mean_loss
 
-from quaxlike.demo import batches, build, full, logits_fn, sentences, train
+from quaxlike.demo import batches, build, full, sentences, train
 from quaxlike.quantized import GPTQ, quantize
 
 
-LENGTH, BATCH = 32, 16
-
-
-def log_probabilities(model, windows):
-    return jax.nn.log_softmax(eqx.filter_jit(logits_fn)(model, windows[:, :-1]))
-
-
-def mean_loss(log_p, windows) -> float:
-    """The mean cross-entropy of the next character."""
-    labels = windows[:, 1:]
-    return float(-jnp.mean(jnp.take_along_axis(log_p, labels[..., None], axis=-1)))
-
-
-def divergence(reference, log_p) -> float:
-    """The mean KL divergence of the quantised model's next-character
-    distribution from the float model's."""
-    return float(jnp.mean(jnp.sum(jnp.exp(reference) * (reference - log_p), axis=-1)))
+BATCH = 16
 
 
 def main(argv=None) -> None:

@@ -43,26 +43,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+from _language_model import divergence, LENGTH, log_probabilities, mean_loss
 
 from quaxlike.demo import batches, build, full, logits_fn, sentences, train
 from quaxlike.lora import LoraArray, loraify, partition
 from quaxlike.quantized import fake_quantize, quantize, QuantizedArray
-
-
-LENGTH = 32
-
-
-def log_probabilities(model, windows):
-    return jax.nn.log_softmax(eqx.filter_jit(logits_fn)(model, windows[:, :-1]))
-
-
-def mean_loss(log_p, windows) -> float:
-    labels = windows[:, 1:]
-    return float(-jnp.mean(jnp.take_along_axis(log_p, labels[..., None], axis=-1)))
-
-
-def divergence(reference, log_p) -> float:
-    return float(jnp.mean(jnp.sum(jnp.exp(reference) * (reference - log_p), axis=-1)))
 
 
 def main(argv=None) -> None:

@@ -24,26 +24,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+from _language_model import divergence, LENGTH, log_probabilities, mean_loss
 
 import quaxlike
-from quaxlike.demo import batches, build, full, logits_fn, peak_bytes, sentences, train
+from quaxlike.demo import batches, build, full, peak_bytes, sentences, train
 from quaxlike.quantized import quantize
-
-
-LENGTH = 32
-
-
-def log_probabilities(model, windows):
-    return jax.nn.log_softmax(eqx.filter_jit(logits_fn)(model, windows[:, :-1]))
-
-
-def mean_loss(log_p, windows) -> float:
-    labels = windows[:, 1:]
-    return float(-jnp.mean(jnp.take_along_axis(log_p, labels[..., None], axis=-1)))
-
-
-def divergence(reference, log_p) -> float:
-    return float(jnp.mean(jnp.sum(jnp.exp(reference) * (reference - log_p), axis=-1)))
 
 
 def losses(steps: int) -> None:
