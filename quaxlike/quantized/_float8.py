@@ -6,6 +6,7 @@ The rules (the float8 product and its backward pass) are in `_float8_rules.py`;
 the casts and scales in `_float8_scaling.py`."""
 
 import dataclasses
+import sys
 from typing import Any
 
 import equinox as eqx
@@ -171,9 +172,11 @@ class Float8Weight(quaxlike.ArrayValue):
 def _as_float8(leaf: Any, scaling: str) -> Any:
     if isinstance(leaf, Float8Weight):
         return dataclasses.replace(leaf, scaling=scaling)
-    from quaxlike.lora import LowRankValue  # a LoRA's base trains in float8
-
-    if isinstance(leaf, LowRankValue):
+    # A LoRA's base trains in float8. `quaxlike.lora` imports this package (for
+    # QLoRA), so it is looked up rather than imported: a LoRA weight exists only
+    # once `quaxlike.lora` has been imported.
+    lora = sys.modules.get("quaxlike.lora")
+    if lora is not None and isinstance(leaf, lora.LowRankValue):
         return eqx.tree_at(lambda v: v.w, leaf, _as_float8(leaf.w, scaling))
     if isinstance(leaf, quaxlike.Value) or not eqx.is_inexact_array(leaf) or jnp.ndim(leaf) < 2:
         got = (
