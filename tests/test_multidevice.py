@@ -3,9 +3,8 @@ virtual CPU devices: `XLA_FLAGS` only takes effect before JAX starts, and this
 process has started it with one device.
 
 A slow test (two to five minutes on two cores, in one worker): `.ci/run` runs
-`tests/multidevice` as cells of their own, on the oldest JAX, the main
-environment's and the newest, so the README's test command leaves it to
-`--run-slow`. Run the suite directly with
+`tests/multidevice` as cells of their own, on the oldest JAX and the newest, so
+the README's test command leaves it to `--run-slow`. Run the suite directly with
 `XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest -n 0 tests/multidevice`."""
 
 import os
