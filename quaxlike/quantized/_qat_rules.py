@@ -18,6 +18,7 @@ import quaxlike
 from quaxlike.internal import bind_dot_general, dot_general_labels
 
 from ._qat import ActivationFakeQuantized, fake_quantize_tokens, FakeQuantized
+from ._rules import reshapes_batch_axes_only
 
 
 _Weight = FakeQuantized | ActivationFakeQuantized
@@ -172,13 +173,8 @@ def squeeze_p_fakequantized(x: FakeQuantized, *, dimensions, **params):
 
 @quaxlike.register(lax.reshape_p)
 def reshape_p_fakequantized(x: FakeQuantized, *, new_sizes, dimensions, **params):
-    new_sizes = tuple(new_sizes)
-    if (
-        dimensions is not None
-        or params.get("sharding") is not None
-        or len(new_sizes) < 2
-        or new_sizes[-2:] != tuple(x.shape[-2:])
-    ):
+    if not reshapes_batch_axes_only(x.shape, new_sizes, dimensions, params):
         return NotImplemented  # the matrix axes would change
+    new_sizes = tuple(new_sizes)
     trailing = tuple(x.weight.shape[-2:])
     return x.with_weight(lax.reshape(x.weight, (*new_sizes[:-2], *trailing)))

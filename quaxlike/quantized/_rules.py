@@ -79,16 +79,25 @@ def squeeze_p_quantized(x: QuantizedArray, *, dimensions, **params):
     return _on_batch_axes(x, lambda leaf, _: lax.squeeze(leaf, dimensions))
 
 
+def reshapes_batch_axes_only(shape, new_sizes, dimensions, params) -> bool:
+    """Whether a `reshape` of an array of `shape` to `new_sizes` keeps its last two
+    (matrix) axes and changes only the batch axes before them, with no
+    `dimensions` or `sharding`: the reshapes a stacked weight's rules can do on
+    its leaves."""
+    new_sizes = tuple(new_sizes)
+    return (
+        dimensions is None
+        and params.get("sharding") is None
+        and len(new_sizes) >= 2
+        and new_sizes[-2:] == tuple(shape[-2:])
+    )
+
+
 @quaxlike.register(lax.reshape_p)
 def reshape_p_quantized(x: QuantizedArray, *, new_sizes, dimensions, **params):
-    new_sizes = tuple(new_sizes)
-    if (
-        dimensions is not None
-        or params.get("sharding") is not None
-        or len(new_sizes) < 2
-        or new_sizes[-2:] != tuple(x.shape[-2:])
-    ):
+    if not reshapes_batch_axes_only(x.shape, new_sizes, dimensions, params):
         return NotImplemented  # the matrix axes would change
+    new_sizes = tuple(new_sizes)
     return _on_batch_axes(x, lambda leaf, trailing: lax.reshape(leaf, (*new_sizes[:-2], *trailing)))
 
 
